@@ -1,0 +1,266 @@
+"""The one config schema of the pipeline.
+
+Typed dataclasses are the schema; values are merged as
+schema <- conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
+Unknown keys, wrong types, missing mandatory values and out-of-range values fail in
+:func:`load_config`, before any stage does work, with a :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_YAML = REPO_ROOT / "conf" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, raised before any work; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    # Hub id, local directory, or ``bundled:NAME`` (a directory under pipeline/assets/).
+    target: str = "bundled:tiny-target"
+    draft: str = "bundled:tiny-draft"
+    target_revision: Optional[str] = None
+    draft_revision: Optional[str] = None
+    # Tokenizer location; None = the target's.
+    tokenizer: Optional[str] = None
+    # auto = bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+    # auto = cuda when available, else cpu.
+    device: str = "auto"
+    trust_remote_code: bool = False
+    # Passed to the chat template where it has the switch (Qwen3); the paper runs with thinking off.
+    enable_thinking: bool = False
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 128
+    # 0 = greedy (lossless w.r.t. the target's greedy output); > 0 = rejection sampling.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    # Stop at the tokenizer's eos token(s).
+    stop_on_eos: bool = True
+
+
+@dataclass
+class SourceConfig:
+    # Name recorded in the `source` column and hashed into `prompt_id`.
+    name: str = MISSING
+    # bundled | hf | jsonl | json | parquet | text | sharegpt
+    kind: str = MISSING
+    # bundled set name, hub id, or local file/folder.
+    path: str = MISSING
+    # hf only: dataset config name and split.
+    hf_config: Optional[str] = None
+    split: str = "train"
+    # Field holding the prompt text (ignored for bundled/text/sharegpt).
+    field: Optional[str] = "prompt"
+    # Python format template over the row's fields, e.g. "{question}\nAnswer:"; overrides `field`.
+    template: Optional[str] = None
+    # Cap on prompts taken from this source (None = all).
+    limit: Optional[int] = None
+
+
+@dataclass
+class PrepareConfig:
+    sources: List[SourceConfig] = field(
+        default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout")]
+    )
+    max_prompt_tokens: int = 1024
+    shard_size: int = 256
+    # Cap on prompts taken from each source (smoke runs); per-source `limit` wins when smaller.
+    limit: Optional[int] = None
+    apply_chat_template: bool = True
+
+
+@dataclass
+class LabelConfig:
+    # Trained block size B; None = read from the draft's config.
+    block_size: Optional[int] = None
+    # Candidates are B-k .. B+k.
+    k: int = 2
+    # CPU actors when the cluster has no GPU; with GPUs, one actor per GPU (None = all GPUs).
+    num_workers: Optional[int] = None
+    # auto | exhaustive | replay
+    mode: str = "auto"
+    # Per-step latency probe at actor start-up: decode steps timed per candidate.
+    cost_probe_steps: int = 8
+
+
+@dataclass
+class TrainConfig:
+    hidden: int = 2048
+    n_layers: int = 2
+    dropout: float = 0.2
+    # none | softmax | log_softmax | standardize
+    input_transform: str = "none"
+    lr: float = 1e-5
+    epochs: int = 100
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    # hard (cross-entropy on the label) | soft (softmax of tau over candidates)
+    objective: str = "hard"
+    soft_temperature: float = 1.0
+    # tau | speedup (the cost-aware label)
+    label: str = "tau"
+    num_workers: int = 1
+    max_failures: int = 2
+    seed: int = 0
+
+
+@dataclass
+class EvaluateConfig:
+    sources: List[SourceConfig] = field(
+        default_factory=lambda: [
+            SourceConfig(name="humaneval", kind="bundled", path="humaneval"),
+            SourceConfig(name="stdlib-heldout-eval", kind="bundled", path="stdlib-heldout"),
+        ]
+    )
+    # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
+    fixed_block_sizes: Optional[List[int]] = None
+    limit: Optional[int] = None
+    num_workers: Optional[int] = None
+
+
+@dataclass
+class RayConfig:
+    # None = start or join a local Ray; "auto" = join the running cluster.
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    # Advertise GPUs that may not exist (tests use this to check placement on a CPU machine).
+    num_gpus: Optional[int] = None
+
+
+@dataclass
+class PipelineConfig:
+    output_dir: str = "runs/default"
+    # Allow writing into an output folder made with a different config.
+    force: bool = False
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    label: LabelConfig = field(default_factory=LabelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+_CHOICES = {
+    "model.dtype": ("auto", "float32", "float16", "bfloat16"),
+    "label.mode": ("auto", "exhaustive", "replay"),
+    "train.input_transform": ("none", "softmax", "log_softmax", "standardize"),
+    "train.objective": ("hard", "soft"),
+    "train.label": ("tau", "speedup"),
+}
+_SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _validate(cfg: PipelineConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+    d = cfg.decode
+    _check(d.max_new_tokens >= 1, "decode.max_new_tokens", "must be >= 1")
+    _check(d.temperature >= 0, "decode.temperature", "must be >= 0")
+    _check(0 < d.top_p <= 1, "decode.top_p", "must be in (0, 1]")
+    _check(d.top_k >= 0, "decode.top_k", "must be >= 0")
+    _check(cfg.label.k >= 0, "label.k", "must be >= 0")
+    _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
+           "label.block_size", "B - k must be >= 1")
+    _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
+    _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
+           "replay is exact only at temperature 0; use exhaustive or auto")
+    _check(cfg.prepare.shard_size >= 1, "prepare.shard_size", "must be >= 1")
+    _check(cfg.prepare.max_prompt_tokens >= 1, "prepare.max_prompt_tokens", "must be >= 1")
+    _check(cfg.prepare.limit is None or cfg.prepare.limit >= 1, "prepare.limit", "must be >= 1")
+    _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
+    _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
+    _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
+    _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
+    _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
+    for section in ("prepare", "evaluate"):
+        names = set()
+        for i, src in enumerate(getattr(cfg, section).sources):
+            key = f"{section}.sources[{i}]"
+            _check(src.kind in _SOURCE_KINDS, f"{key}.kind", f"{src.kind!r} is not one of {', '.join(_SOURCE_KINDS)}")
+            _check(src.name not in names, f"{key}.name", f"duplicate source name {src.name!r}")
+            names.add(src.name)
+            _check(src.limit is None or src.limit >= 1, f"{key}.limit", "must be >= 1")
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _key_of(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None)
+    return str(key) if key else "?"
+
+
+def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str] = None,
+                default_yaml: Optional[Path] = DEFAULT_YAML) -> PipelineConfig:
+    """Merge schema <- default.yaml <- config_file <- dotlist overrides; validate; return the typed object."""
+    layers = []
+    try:
+        base = OmegaConf.structured(PipelineConfig)
+        if default_yaml is not None and Path(default_yaml).exists():
+            layers.append(OmegaConf.load(default_yaml))
+        if config_file is not None:
+            if not Path(config_file).is_file():
+                raise ConfigError(f"config file not found: {config_file}")
+            layers.append(OmegaConf.load(config_file))
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.merge(base, *layers)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"config key '{missing[0]}': mandatory value is missing")
+        cfg = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as err:
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"config key '{_key_of(err)}': {msg}") from None
+    _validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: PipelineConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_sha256(cfg: PipelineConfig) -> str:
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
+
+
+def write_resolved(cfg: PipelineConfig, folder: Path) -> str:
+    """Write the stage's resolved config and its sha256 next to its outputs; return the digest."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = to_yaml(cfg)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    (folder / "config.yaml").write_text(text)
+    (folder / "config.sha256").write_text(digest + "\n")
+    return digest

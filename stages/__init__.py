@@ -1,0 +1,49 @@
+"""The pipeline's stages: one module per stage, each exposing ``run(cfg) -> dict`` (its summary).
+
+The registry below is what the CLI and ``jobs/`` dispatch on; a stage reads only the config sections it names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Tuple
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    name: str
+    summary: str
+    sections: Tuple[str, ...]  # config sections the stage reads (shown by `blockpilot STAGE --help`)
+    module: str
+
+    def load(self) -> Callable:
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as err:
+            if err.name == self.module:
+                raise NotImplementedError(f"stage '{self.name}' is not built yet") from None
+            raise
+        return mod.run
+
+
+STAGES = {
+    s.name: s
+    for s in (
+        StageInfo("prepare", "prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids "
+                  "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
+        StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
+                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "ray"),
+                  "stages.label"),
+        StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
+                  "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
+                  "stages.train"),
+        StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
+                  "on held-out prompt sets (output_dir/eval/)", ("model", "decode", "evaluate", "ray"),
+                  "stages.evaluate"),
+        StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
+                  "stages.report"),
+        StageInfo("run", "prepare -> label -> train -> evaluate -> report; stages already complete are skipped",
+                  ("model", "decode", "prepare", "label", "train", "evaluate", "ray"), "stages.run"),
+    )
+}

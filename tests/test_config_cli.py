@@ -1,0 +1,68 @@
+"""Config schema and CLI: merge order, fail-fast errors naming the key, resolved config written per stage."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import ConfigError, config_sha256, load_config, write_resolved
+
+
+def test_merge_order_schema_default_file_overrides(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("decode:\n  max_new_tokens: 64\nlabel:\n  k: 1\n")
+    cfg = load_config(["label.k=3", "output_dir=/tmp/somewhere"], str(f))
+    assert cfg.decode.max_new_tokens == 64  # file over default.yaml (128)
+    assert cfg.label.k == 3  # override over file
+    assert cfg.output_dir == "/tmp/somewhere"
+    assert cfg.prepare.shard_size == 64  # conf/default.yaml over the schema default (256)
+    assert cfg.train.lr == 1e-5  # schema default
+
+
+@pytest.mark.parametrize("override,key", [
+    (["no_such_key=1"], "no_such_key"),
+    (["label.nope=1"], "label.nope"),
+    (["decode.max_new_tokens=abc"], "decode.max_new_tokens"),
+    (["train.epochs=1.5"], "train.epochs"),
+    (["label.mode=sometimes"], "label.mode"),
+    (["decode.top_p=0"], "decode.top_p"),
+    (["decode.temperature=0.7", "label.mode=replay"], "label.mode"),
+    (["prepare.sources=[{name: x, path: y}]"], "prepare.sources[0].kind"),
+    (["prepare.sources=[{name: x, kind: csv, path: y}]"], "prepare.sources[0].kind"),
+])
+def test_bad_config_names_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(override)
+    assert f"'{key}'" in str(err.value)
+
+
+def test_missing_config_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([], "/no/such/file.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["justakey"])
+
+
+def test_resolved_config_and_digest(tmp_path):
+    cfg = load_config([f"output_dir={tmp_path}"])
+    digest = write_resolved(cfg, tmp_path / "label")
+    assert (tmp_path / "label" / "config.sha256").read_text().strip() == digest == config_sha256(cfg)
+    again = load_config([], str(tmp_path / "label" / "config.yaml"))
+    assert config_sha256(again) == digest  # the written YAML reloads to the same config
+    assert config_sha256(load_config(["label.k=1"])) != digest
+
+
+def test_cli_fails_fast_naming_the_key(capsys):
+    assert main(["label", "no_such_key=1"]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+
+
+def test_cli_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for stage in ("prepare", "label", "train", "evaluate", "report", "run", "validate"):
+        assert f"    {stage}" in out
+    stage_help = subprocess.run([sys.executable, "-m", "pipeline.cli", "label", "--help"], capture_output=True,
+                                text=True, check=True).stdout
+    assert "max_new_tokens: 128" in stage_help and "mode: auto" in stage_help

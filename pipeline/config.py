@@ -62,9 +62,11 @@ class SourceConfig:
     kind: str = MISSING
     # bundled set name, hub id, or local file/folder.
     path: str = MISSING
-    # hf only: dataset config name and split.
+    # hf: dataset config name and split (None = "train").
     hf_config: Optional[str] = None
-    split: str = "train"
+    # hf: the split. bundled: None = every prompt, "label" / "eval" = a fixed 90/10 partition by prompt hash,
+    # so that evaluation prompts are never labelled or trained on.
+    split: Optional[str] = None
     # Field holding the prompt text (ignored for bundled/text/sharegpt).
     field: Optional[str] = "prompt"
     # Python format template over the row's fields, e.g. "{question}\nAnswer:"; overrides `field`.
@@ -76,7 +78,7 @@ class SourceConfig:
 @dataclass
 class PrepareConfig:
     sources: List[SourceConfig] = field(
-        default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout")]
+        default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout", split="label")]
     )
     max_prompt_tokens: int = 1024
     shard_size: int = 256
@@ -125,7 +127,7 @@ class EvaluateConfig:
     sources: List[SourceConfig] = field(
         default_factory=lambda: [
             SourceConfig(name="humaneval", kind="bundled", path="humaneval"),
-            SourceConfig(name="stdlib-heldout-eval", kind="bundled", path="stdlib-heldout"),
+            SourceConfig(name="stdlib-heldout-eval", kind="bundled", path="stdlib-heldout", split="eval"),
         ]
     )
     # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.

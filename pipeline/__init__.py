@@ -1,0 +1,7 @@
+"""blockpilot-pipeline: learn a per-request block size for DFlash speculative decoding.
+
+The library: config schema (``config``), model loading (``models``), the decoding engine (``engine``), the
+label dataset schema and I/O, and the block-size policy. Stages that run on Ray live in the ``stages`` package.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,153 @@
+"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v1).
+
+This module is the contract with other teams: every column is documented here and rendered into the
+``dataset_card.md`` written beside the shards. Never change a column's meaning without bumping the version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Dict, List, Optional
+
+import pyarrow as pa
+
+PROMPTS_SCHEMA_VERSION = "1"
+LABELS_SCHEMA_VERSION = "1"
+META_PREFIX = "blockpilot."
+
+
+def prompt_id(source: str, text: str) -> str:
+    """Stable id of a prompt: sha256 of (source, raw text), hex, first 24 characters."""
+    return hashlib.sha256(f"{source}\x00{text}".encode("utf-8")).hexdigest()[:24]
+
+
+# ---- prompt shards -----------------------------------------------------------------------------------------------
+
+PROMPT_COLUMNS: List[tuple] = [
+    ("prompt_id", pa.string(), "Stable id: sha256 of (source name, raw text), 24 hex characters. Unique."),
+    ("source", pa.string(), "Name of the prompt source in the config (prepare.sources[].name)."),
+    ("source_row", pa.int64(), "Row index of the prompt in its source (0-based), for tracing back."),
+    ("text", pa.string(), "The raw prompt text, after the source's format template, before the chat template."),
+    ("prompt", pa.string(), "The text the target reads: `text` through the target's chat template."),
+    ("input_ids", pa.list_(pa.int32()), "Token ids of `prompt` (the target's tokenizer, no extra special tokens)."),
+    ("prompt_tokens", pa.int32(), "len(input_ids)."),
+]
+PROMPTS_SCHEMA = pa.schema([(n, t) for n, t, _ in PROMPT_COLUMNS])
+
+
+# ---- label shards ------------------------------------------------------------------------------------------------
+
+LABEL_COLUMNS: List[tuple] = [
+    ("prompt_id", pa.string(), "Id of the prompt (as in the prompt shards)."),
+    ("source", pa.string(), "Prompt source name."),
+    ("prompt_tokens", pa.int32(), "Number of prompt tokens the target read."),
+    ("logits", lambda v: pa.list_(pa.float16(), v),
+     "fixed_size_list<float16>[V]: the target's RAW logits at the last prefill position over the full vocabulary "
+     "(before temperature or softmax); the policy's input feature."),
+    ("candidates", pa.list_(pa.int16()), "Candidate block sizes b = B-k .. B+k, ascending. The lists below align "
+     "with it."),
+    ("tau", pa.list_(pa.float32()), "Acceptance length at each candidate: mean tokens committed per verify step, "
+     "bonus token included (>= 1). A generation with no verify step (first token is a stop token, or "
+     "max_new_tokens = 1) has tau = 1 and steps = 0."),
+    ("steps", pa.list_(pa.int32()), "Verify steps (target forwards after prefill) at each candidate."),
+    ("new_tokens", pa.list_(pa.int32()), "Tokens generated at each candidate (first token included). At T = 0 equal "
+     "across candidates (lossless decoding)."),
+    ("decode_seconds", pa.list_(pa.float32()), "Wall seconds of the decode at each candidate on the labelling "
+     "hardware (replay mode: the draft replay plus the shared target decode's seconds at B; see metadata)."),
+    ("label_block_size", pa.int16(), "argmax over candidates of tau; ties go to the smaller block size."),
+    ("label_index", pa.int16(), "Index of label_block_size in `candidates` (the class index for training)."),
+    ("label_speedup_block_size", pa.int16(), "Cost-aware label: argmax over b of tau(b) / cost(b), where cost(b) is "
+     "the per-step draft + verify latency at b measured once by the worker at start-up (metadata "
+     "`blockpilot.step_cost_seconds`); ties to the smaller b. tau/cost is tokens per second of decoding."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
+    ("worker", pa.string(), "Which worker labelled the row: node id and GPU id (or cpu-N)."),
+]
+
+
+def labels_schema(vocab_size: int) -> pa.Schema:
+    fields = []
+    for name, typ, _ in LABEL_COLUMNS:
+        fields.append(pa.field(name, typ(vocab_size) if callable(typ) else typ))
+    return pa.schema(fields)
+
+
+# Key-value schema metadata carried by every label shard (all values JSON-encoded strings).
+LABEL_METADATA_DOCS: Dict[str, str] = {
+    "schema_version": "Label schema version (this card).",
+    "target": "Target model id or path.", "target_revision": "Hub revision, or sha256 of the local config.json.",
+    "draft": "DFlash draft id or path.", "draft_revision": "Hub revision, or sha256 of the local config.json.",
+    "trained_block_size": "B, the block size the draft was trained with.",
+    "candidates": "The candidate block sizes.", "temperature": "Decoding temperature (0 = greedy).",
+    "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.", "max_new_tokens": "Generation cap per decode.",
+    "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
+    "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
+    "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
+    "step_cost_seconds": "{b: seconds per decode step (draft + verify)} measured by the worker at start-up.",
+    "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
+}
+
+
+def encode_metadata(meta: Dict[str, Any]) -> Dict[bytes, bytes]:
+    return {(META_PREFIX + k).encode(): json.dumps(v, default=str).encode() for k, v in meta.items()}
+
+
+def decode_metadata(raw: Optional[Dict[bytes, bytes]]) -> Dict[str, Any]:
+    out = {}
+    for k, v in (raw or {}).items():
+        key = k.decode()
+        if key.startswith(META_PREFIX):
+            out[key[len(META_PREFIX):]] = json.loads(v.decode())
+    return out
+
+
+def _column_table(columns) -> str:
+    rows = ["| column | type | meaning |", "| --- | --- | --- |"]
+    for name, typ, doc in columns:
+        t = "fixed_size_list<float16>[V]" if callable(typ) else str(typ)
+        rows.append(f"| `{name}` | `{t}` | {doc} |")
+    return "\n".join(rows)
+
+
+def prompts_card() -> str:
+    return f"""# Prompt shards (schema v{PROMPTS_SCHEMA_VERSION})
+
+Written by `blockpilot prepare`: `part-NNNNN.parquet` shards, `rejects.jsonl` (one JSON object per rejected row:
+`source`, `source_row`, `prompt_id` where known, `reason`, `detail`), `manifest.json` (files, rows, sha256, reject
+counts) and `_SUCCESS` when complete. Exact duplicates (same `prompt_id`) are dropped and counted.
+
+{_column_table(PROMPT_COLUMNS)}
+"""
+
+
+def labels_card(extra: str = "") -> str:
+    meta = "\n".join(f"| `{META_PREFIX}{k}` | {v} |" for k, v in LABEL_METADATA_DOCS.items())
+    return f"""# BlockPilot label dataset (schema v{LABELS_SCHEMA_VERSION})
+
+One row per accepted prompt: the target's raw last-position prefill logits and the acceptance length tau measured
+by really decoding at every candidate block size b in {{B-k .. B+k}}, with the best b as the label.
+`part-NNNNN.parquet` is made from prompt shard `part-NNNNN.parquet`; prompts that failed while decoding are in
+`rejects.jsonl` (`prompt_id`, `source`, `reason`, `detail`). `manifest.json` lists every file with its rows and
+sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it.
+
+Read it with `polars.scan_parquet("DIR/*.parquet")` (`logits` is an `Array(Float16, V)` column),
+`pyarrow.dataset.dataset("DIR")`, or `datasets.load_dataset("parquet", data_dir="DIR")`.
+
+## Columns
+
+{_column_table(LABEL_COLUMNS)}
+
+## Labels
+
+* `label_block_size = candidates[argmax_i tau[i]]`, ties to the smaller b (the BlockPilot paper's label).
+* `label_speedup_block_size = candidates[argmax_i tau[i] / cost(candidates[i])]`, ties to the smaller b, where
+  `cost(b)` is the mean seconds of one decode step (draft forward + target verify) at block size b, measured once
+  per worker at start-up on its own hardware over a fixed synthetic prompt. `tau(b) / cost(b)` is decoded tokens
+  per second, so this label picks the fastest b rather than the longest acceptance.
+
+## Schema metadata (key-value, JSON-encoded values)
+
+| key | meaning |
+| --- | --- |
+{meta}
+{extra}"""

@@ -1,0 +1,135 @@
+"""Shard-folder mechanics shared by every stage (datatrove style).
+
+A stage folder holds rank-named shards ``part-00000.parquet`` ..., each written under a temporary name and renamed
+atomically, a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. A rerun skips what
+is complete, and a folder made with a different config is refused unless ``force`` is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SUCCESS = "_SUCCESS"
+MANIFEST = "manifest.json"
+FINGERPRINT = "fingerprint.json"
+
+
+def shard_name(index: int, suffix: str = ".parquet") -> str:
+    return f"part-{index:05d}{suffix}"
+
+
+def shard_index(path: Path) -> int:
+    return int(Path(path).name.split(".")[0].split("-")[1])
+
+
+def list_shards(folder: Path) -> list:
+    return sorted(Path(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"))
+
+
+def _tmp_path(path: Path) -> Path:
+    # A leading dot and a unique suffix: readers that glob part-*.parquet never see half-written files.
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_parquet_atomic(table: pa.Table, path: Path, **options: Any) -> None:
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        pq.write_table(table, tmp, **options)
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        tmp.write_text(text)
+        _replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)
+
+
+def write_jsonl_atomic(rows: Iterable[Dict[str, Any]], path: Path) -> None:
+    write_text_atomic("".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows), path)
+
+
+def read_jsonl(path: Path) -> list:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / SUCCESS).exists()
+
+
+def mark_complete(folder: Path) -> None:
+    write_text_atomic("", Path(folder) / SUCCESS)
+
+
+def clear_complete(folder: Path) -> None:
+    (Path(folder) / SUCCESS).unlink(missing_ok=True)
+
+
+def ensure_writable(folder: Path) -> None:
+    """Fail before any work when the stage folder cannot be created or written."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(f"output folder {folder} is not writable: {err.strerror or err}") from None
+
+
+def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool) -> Optional[Dict[str, Any]]:
+    """Refuse to mix outputs of different configs in one folder.
+
+    ``fingerprint`` holds the config values that change a stage's output (models, candidates, temperature, ...).
+    The first run records it; a later run with a different one raises unless ``force`` (which then starts the
+    folder's completion over: existing shards are kept only if they match the new fingerprint, see callers).
+    Returns the previous fingerprint, if any.
+    """
+    folder = Path(folder)
+    path = folder / FINGERPRINT
+    previous = json.loads(path.read_text()) if path.exists() else None
+    normalised = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+    if previous is not None and previous != normalised:
+        changed = sorted(k for k in set(previous) | set(normalised) if previous.get(k) != normalised.get(k))
+        if not force:
+            raise FileExistsError(
+                f"{folder} was written with a different config (changed: {', '.join(changed)}); "
+                "use a new output_dir, or force=true to overwrite")
+    if previous != normalised:
+        write_json_atomic(normalised, path)
+    return previous

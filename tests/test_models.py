@@ -1,0 +1,31 @@
+"""Model loading from local folders (what a hub id resolves to after download) and bundled names."""
+
+import pytest
+import torch
+
+from pipeline.config import ModelConfig
+from pipeline.engine import Engine
+from pipeline.models import load_draft, load_target, resolve_device, resolve_dtype, resolve_location
+from random_pair import make_pair, prompt
+
+
+def test_local_folders_round_trip(tmp_path):
+    target, draft = make_pair(0)
+    target.save_pretrained(tmp_path / "t")
+    draft.save_pretrained(tmp_path / "d")
+    cfg = ModelConfig(target=str(tmp_path / "t"), draft=str(tmp_path / "d"))
+    dev = resolve_device("auto")
+    assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype("auto", dev)
+    t2, d2 = load_target(cfg, dev, dtype), load_draft(cfg, dev, dtype)
+    assert d2.block_size == draft.block_size and d2.target_layer_ids == draft.target_layer_ids
+    assert not t2.training and not d2.training
+    a = Engine(target, draft).prefill(prompt(0)).logits
+    b = Engine(t2, d2).prefill(prompt(0)).logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_unknown_bundled_name_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="bundled model 'bundled:nope'"):
+        resolve_location("bundled:nope")
+    assert resolve_location("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # hub ids pass through untouched

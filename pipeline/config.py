@@ -95,10 +95,14 @@ class LabelConfig:
     k: int = 2
     # CPU actors when the cluster has no GPU; with GPUs, one actor per GPU (None = all GPUs).
     num_workers: Optional[int] = None
+    # CPUs each label actor reserves (GPU actors also take one GPU each).
+    cpus_per_worker: float = 1.0
     # auto | exhaustive | replay
     mode: str = "auto"
     # Per-step latency probe at actor start-up: decode steps timed per candidate.
     cost_probe_steps: int = 8
+    # Restarts of a dead label actor (its in-flight shard is retried; shard outputs are atomic).
+    max_retries: int = 3
 
 
 @dataclass
@@ -188,6 +192,7 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
     _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
+    _check(cfg.label.cpus_per_worker > 0, "label.cpus_per_worker", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
     _check(cfg.prepare.shard_size >= 1, "prepare.shard_size", "must be >= 1")

@@ -62,6 +62,9 @@ class DecodeResult:
     verify_seconds: float = 0.0
     decode_seconds: float = 0.0
     stopped: bool = False  # ended on a stop token (else on max_new_tokens)
+    # With decode(keep_context=True): the target's context features of every committed position, prompt included
+    # ([1, final_start, F]); what exact greedy replay (pipeline.replay) feeds the draft.
+    context: Optional[torch.Tensor] = None
 
     @property
     def new_ids(self) -> torch.Tensor:
@@ -136,26 +139,29 @@ class Engine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: Optional[int] = 0,
+        keep_context: bool = False,
     ) -> DecodeResult:
         """Decode one continuation at block size ``block_size``; ``seed`` makes T > 0 reproducible."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if keep_context and block_size < 2:
+            raise ValueError("keep_context needs block_size >= 2 (b = 1 computes no context features)")
         _validate_sampling(temperature, top_p, top_k)
         try:
             if temperature > 0 and seed is not None:
                 devices = [self.device] if self._cuda else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(seed)
-                    return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k)
-            return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k)
+                    return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context)
+            return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context)
         finally:
             # Leave the shared cache exactly as prefill left it, whatever happened.
             _crop_to(state.target_cache, state.num_input_tokens)
 
     @torch.inference_mode()
-    def _decode(self, state, block_size, max_new_tokens, temperature, top_p, top_k) -> DecodeResult:
+    def _decode(self, state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context) -> DecodeResult:
         # Mirrors dflash.model.dflash_generate after its prefill; comments mark where it differs.
         draft, target = self.draft, self.target
         num_input_tokens = state.num_input_tokens
@@ -172,6 +178,7 @@ class Engine:
         target_hidden = state.context
 
         result = DecodeResult(output_ids, num_input_tokens, block_size)
+        kept = [state.context] if keep_context else None
         t_start = self._now()
         start = num_input_tokens
         stop_tokens = (
@@ -243,12 +250,16 @@ class Engine:
                 # With b >= 2, verify_size is >= 2 on every step (the loop needs start + 1 < max_length), so the
                 # draft always sees fresh features; with b = 1 it never drafts and never reads them.
                 target_hidden = extract_context_feature(output.hidden_states, draft.target_layer_ids)[:, :produced, :]
+                if kept is not None:
+                    kept.append(target_hidden)
             t2 = self._now()
             result.draft_seconds += t1 - t0
             result.verify_seconds += t2 - t1
 
         result.output_ids = output_ids[:, :min(start + 1, max_length)]
         result.stopped = bool(stopped)
+        if kept is not None:
+            result.context = torch.cat(kept, dim=1)
         result.decode_seconds = self._now() - t_start
         return result
 

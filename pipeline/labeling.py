@@ -46,22 +46,51 @@ class PromptLabels:
         return self.candidates[self.label_index]
 
 
-def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 step_cost: Optional[Dict[int, float]] = None) -> PromptLabels:
-    """Exhaustive labelling: one prefill, then a full speculative decode at every candidate."""
-    state = engine.prefill(input_ids)
-    results = [engine.decode(state, block_size=b, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, top_k=top_k, seed=seed) for b in candidates]
-    tau = [r.tau for r in results]
+def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict],
+            step_cost: Optional[Dict[int, float]]) -> PromptLabels:
+    """Assemble one prompt's labels from {b: {"committed", "new_tokens", "seconds"}}."""
+    committed = [per_b[b]["committed"] for b in candidates]
+    tau = [sum(c) / len(c) if c else 1.0 for c in committed]  # as DecodeResult.tau
     speedup_index = None
     if step_cost:
         speedup_index = argmax_smallest([t / step_cost[b] for t, b in zip(tau, candidates)])
     return PromptLabels(
-        logits=state.logits, candidates=list(candidates), tau=tau, steps=[r.steps for r in results],
-        new_tokens=[r.new_tokens for r in results], decode_seconds=[r.decode_seconds for r in results],
-        prefill_seconds=state.prefill_seconds, label_index=argmax_smallest(tau), label_speedup_index=speedup_index,
+        logits=state.logits, candidates=list(candidates), tau=tau, steps=[len(c) for c in committed],
+        new_tokens=[per_b[b]["new_tokens"] for b in candidates],
+        decode_seconds=[per_b[b]["seconds"] for b in candidates], prefill_seconds=state.prefill_seconds,
+        label_index=argmax_smallest(tau), label_speedup_index=speedup_index,
     )
+
+
+def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 step_cost: Optional[Dict[int, float]] = None) -> PromptLabels:
+    """Exhaustive labelling (any temperature): one prefill, then a full speculative decode at every candidate."""
+    state = engine.prefill(input_ids)
+    per_b = {}
+    for b in candidates:
+        r = engine.decode(state, block_size=b, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed)
+        per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds}
+    return _labels(state, candidates, per_b, step_cost)
+
+
+def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
+                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                        step_cost: Optional[Dict[int, float]] = None, batched: bool = True) -> PromptLabels:
+    """Exact greedy replay (T = 0 only): one target decode at B, draft-only work for the other candidates
+    (pipeline.replay). Same tau, steps and labels as :func:`label_prompt`."""
+    from .replay import replay_candidates
+
+    if temperature > 0:
+        raise ValueError("replay labelling is exact only at temperature 0; use exhaustive mode")
+    state = engine.prefill(input_ids)
+    b_ref = engine.trained_block_size if engine.trained_block_size in candidates else max(candidates)
+    if b_ref < 2:
+        b_ref = engine.trained_block_size
+    per_b = replay_candidates(engine, state, candidates, max_new_tokens, batched=batched,
+                              reference_block_size=b_ref)
+    return _labels(state, candidates, per_b, step_cost)
 
 
 def measure_step_costs(engine: Engine, block_sizes: Sequence[int], vocab_size: int, prompt_tokens: int = 64,

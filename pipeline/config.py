@@ -124,6 +124,8 @@ class TrainConfig:
     num_workers: int = 1
     max_failures: int = 2
     seed: int = 0
+    # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size.
+    cache_max_gb: float = 4.0
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -95,14 +95,10 @@ class LabelConfig:
     k: int = 2
     # CPU actors when the cluster has no GPU; with GPUs, one actor per GPU (None = all GPUs).
     num_workers: Optional[int] = None
-    # CPUs each label actor reserves (GPU actors also take one GPU each).
-    cpus_per_worker: float = 1.0
-    # auto | exhaustive | replay
+    # auto (= replay at T = 0, else exhaustive) | exhaustive | replay
     mode: str = "auto"
     # Per-step latency probe at actor start-up: decode steps timed per candidate.
     cost_probe_steps: int = 8
-    # Restarts of a dead label actor (its in-flight shard is retried; shard outputs are atomic).
-    max_retries: int = 3
 
 
 @dataclass
@@ -143,6 +139,16 @@ class EvaluateConfig:
 
 
 @dataclass
+class WorkerConfig:
+    """The decoding actors of label and evaluate."""
+
+    # CPUs each actor reserves (GPU actors also take one GPU each).
+    cpus_per_worker: float = 1.0
+    # Restarts of a dead actor; its in-flight shard is retried (shard outputs are atomic, so retries are safe).
+    max_retries: int = 3
+
+
+@dataclass
 class RayConfig:
     # None = start or join a local Ray; "auto" = join the running cluster.
     address: Optional[str] = None
@@ -163,6 +169,7 @@ class PipelineConfig:
     label: LabelConfig = field(default_factory=LabelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -194,7 +201,8 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
     _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
-    _check(cfg.label.cpus_per_worker > 0, "label.cpus_per_worker", "must be > 0")
+    _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
+    _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
     _check(cfg.prepare.shard_size >= 1, "prepare.shard_size", "must be >= 1")

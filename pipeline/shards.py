@@ -112,19 +112,22 @@ def ensure_writable(folder: Path) -> None:
         raise PermissionError(f"output folder {folder} is not writable: {err.strerror or err}") from None
 
 
-def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool) -> Optional[Dict[str, Any]]:
+def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
+                      has_output: Optional[bool] = None) -> bool:
     """Refuse to mix outputs of different configs in one folder.
 
     ``fingerprint`` holds the config values that change a stage's output (models, candidates, temperature, ...).
-    The first run records it; a later run with a different one raises unless ``force`` (which then starts the
-    folder's completion over: existing shards are kept only if they match the new fingerprint, see callers).
-    Returns the previous fingerprint, if any.
+    The first run records it; a later run with a different one raises unless ``force``. Returns True when the
+    folder holds outputs of another config that the caller must discard (force was given).
     """
     folder = Path(folder)
     path = folder / FINGERPRINT
     previous = json.loads(path.read_text()) if path.exists() else None
     normalised = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
-    if previous is not None and previous != normalised:
+    # A folder with no output yet (a first run that failed before writing any shard) binds nothing.
+    if has_output is None:
+        has_output = bool(list_shards(folder)) or is_complete(folder)
+    if previous is not None and previous != normalised and has_output:
         changed = sorted(k for k in set(previous) | set(normalised) if previous.get(k) != normalised.get(k))
         if not force:
             raise FileExistsError(
@@ -132,4 +135,27 @@ def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool) ->
                 "use a new output_dir, or force=true to overwrite")
     if previous != normalised:
         write_json_atomic(normalised, path)
-    return previous
+    return previous is not None and previous != normalised and has_output
+
+
+def fingerprint_sha256(fingerprint: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
+                       rows_per_input: int = 1) -> bool:
+    """An output shard counts as done when its footer reads, it carries this config's fingerprint
+    (schema metadata ``blockpilot.fingerprint_sha256``), and its rows plus its rejects account for every input row."""
+    from .dataset import decode_metadata
+
+    out_path = Path(out_path)
+    if not out_path.exists():
+        return False
+    try:
+        meta = pq.read_metadata(out_path)
+        info = decode_metadata(pq.read_schema(out_path).metadata)
+    except Exception:  # truncated or corrupted: regenerate
+        return False
+    rejected = len(read_jsonl(rejects_path)) if Path(rejects_path).exists() else 0
+    return (info.get("fingerprint_sha256") == fp_sha
+            and meta.num_rows == (input_rows - rejected) * rows_per_input)

@@ -33,17 +33,17 @@ STAGES = {
         StageInfo("prepare", "prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids "
                   "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
-                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "ray"),
+                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "workers", "ray"),
                   "stages.label"),
         StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
                   "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
                   "stages.train"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
-                  "on held-out prompt sets (output_dir/eval/)", ("model", "decode", "evaluate", "ray"),
+                  "on held-out prompt sets (output_dir/eval/)", ("model", "decode", "evaluate", "workers", "ray"),
                   "stages.evaluate"),
         StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
                   "stages.report"),
         StageInfo("run", "prepare -> label -> train -> evaluate -> report; stages already complete are skipped",
-                  ("model", "decode", "prepare", "label", "train", "evaluate", "ray"), "stages.run"),
+                  ("model", "decode", "prepare", "label", "train", "evaluate", "workers", "ray"), "stages.run"),
     )
 }

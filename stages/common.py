@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 from pipeline.config import RayConfig
 
@@ -87,3 +88,67 @@ class Progress:
     @property
     def seconds(self) -> float:
         return time.monotonic() - self.t0
+
+
+@dataclass
+class ShardTask:
+    name: str  # shown in progress lines and failure lists
+    args: Tuple[Any, ...]  # passed to the actor method
+    rows: int  # for progress
+
+
+def run_shard_actors(cfg, worker_cls, init_args: Sequence[Any], method: str, tasks: List[ShardTask],
+                     num_workers: Optional[int], stage: str):
+    """Run ``worker_cls(*init_args, threads).method(*task.args)`` for every task on a pool of decoding actors.
+
+    One actor per GPU (or CPU actors), each loading its models once. A killed actor is restarted and its in-flight
+    task retried (``workers.max_retries``); an actor that is gone for good is dropped and its task listed as
+    failed, and the others carry on. Returns (actor infos, failed task names).
+    """
+    ray = init_ray(cfg.ray)
+    from ray.exceptions import RayActorError, RayTaskError
+
+    place = plan_workers(num_workers, cfg.workers.cpus_per_worker)
+    n_workers = min(place.num_workers, len(tasks))
+    actor_cls = ray.remote(worker_cls).options(
+        num_gpus=place.num_gpus, num_cpus=place.num_cpus,
+        max_restarts=cfg.workers.max_retries, max_task_retries=cfg.workers.max_retries)
+    threads = max(1, int(place.num_cpus))
+    actors = [actor_cls.remote(*init_args, threads) for _ in range(n_workers)]
+    infos = ray.get([a.info.remote() for a in actors])
+    for info in infos:
+        print(f"[{stage}] worker {info['identity']} pid={info['pid']} device={info['device']} "
+              f"step cost (s) {json.dumps(info.get('step_cost_seconds', {}))}", flush=True)
+    progress = Progress(stage, sum(t.rows for t in tasks), enabled=cfg.progress, every=0)
+    queue = list(tasks)
+    inflight = {}
+    failures: List[str] = []
+
+    def submit(actor):
+        task = queue.pop(0)
+        inflight[getattr(actor, method).remote(*task.args)] = (actor, task)
+
+    for a in actors:
+        if queue:
+            submit(a)
+    while inflight:
+        done, _ = ray.wait(list(inflight), num_returns=1)
+        actor, task = inflight.pop(done[0])
+        try:
+            res = ray.get(done[0])
+            progress.update(task.rows, f"{task.name} rows={res.get('rows')} rejects={res.get('rejects')} "
+                                       f"by {res.get('worker')}")
+        except (RayActorError, RayTaskError) as err:
+            failures.append(task.name)
+            print(f"[{stage}] {task.name} failed: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
+            progress.update(task.rows, f"{task.name} FAILED")
+            if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
+                actor = None
+        if queue and actor is not None:
+            submit(actor)
+        if not inflight and queue:  # every actor is gone: what is left fails, a rerun picks it up
+            failures.extend(t.name for t in queue)
+            queue.clear()
+    for a in actors:
+        ray.kill(a)
+    return infos, failures

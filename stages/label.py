@@ -18,16 +18,15 @@ import shutil
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import __version__
-from pipeline.config import PipelineConfig, config_sha256, write_resolved
+from pipeline.config import PipelineConfig, write_resolved
 from pipeline.dataset import (
     LABELS_SCHEMA_VERSION,
-    decode_metadata,
     encode_metadata,
     labels_card,
     labels_schema,
@@ -42,14 +41,15 @@ from pipeline.shards import (
     list_shards,
     mark_complete,
     read_jsonl,
-    shard_name,
     write_json_atomic,
     write_jsonl_atomic,
     write_parquet_atomic,
+    fingerprint_sha256,
+    output_shard_valid,
     write_text_atomic,
 )
 
-from .common import Placement, Progress, init_ray, plan_workers, worker_identity
+from .common import ShardTask, run_shard_actors, worker_identity
 
 REJECTS_DIR = "_rejects"  # per-shard reject files; the leading underscore keeps Parquet readers out of it
 SUMMARY_COLUMNS = ["prompt_id", "source", "candidates", "tau", "steps", "new_tokens", "label_block_size",
@@ -93,20 +93,6 @@ def fingerprint(cfg: PipelineConfig, candidates: List[int], prompts_manifest_sha
         "enable_thinking": m.enable_thinking, "prompts_manifest_sha256": prompts_manifest_sha,
         "schema_version": LABELS_SCHEMA_VERSION,
     }
-
-
-def shard_output_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str) -> bool:
-    """A label shard counts as done when its footer reads, it carries this config's fingerprint, and its rows plus
-    its rejects account for every input row."""
-    if not out_path.exists():
-        return False
-    try:
-        meta = pq.read_metadata(out_path)
-        info = decode_metadata(pq.read_schema(out_path).metadata)
-    except Exception:  # truncated or corrupted: regenerate
-        return False
-    rejected = len(read_jsonl(rejects_path)) if rejects_path.exists() else 0
-    return info.get("fingerprint_sha256") == fp_sha and meta.num_rows + rejected == input_rows
 
 
 # ---- the actor ---------------------------------------------------------------------------------------------------
@@ -283,11 +269,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     candidates = candidate_block_sizes(B, cfg.label.k)
     mode = resolve_mode(cfg)
     fp = fingerprint(cfg, candidates, prompts_sha)
-    previous = check_fingerprint(labels_dir, fp, cfg.force)
-    if previous is not None and previous != json.loads(json.dumps(fp, default=str)):
+    if check_fingerprint(labels_dir, fp, cfg.force):
         print(f"[label] force=true: config changed, discarding existing shards in {labels_dir}", flush=True)
         _reset(labels_dir)
-    fp_sha = config_sha256_of(fp)
+    fp_sha = fingerprint_sha256(fp)
     cfg_sha = write_resolved(cfg, labels_dir)
     write_text_atomic(labels_card(), labels_dir / "dataset_card.md")
     (labels_dir / REJECTS_DIR).mkdir(exist_ok=True)
@@ -297,7 +282,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     for p in list_shards(prompts_dir):
         n = pq.read_metadata(p).num_rows
         o, rj = labels_dir / p.name, labels_dir / REJECTS_DIR / p.with_suffix(".jsonl").name
-        if not shard_output_valid(o, n, rj, fp_sha):
+        if not output_shard_valid(o, n, rj, fp_sha):
             todo.append((p, o, rj, n))
             total_rows += n
     if not todo and is_complete(labels_dir):
@@ -334,63 +319,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     return summary
 
 
-def config_sha256_of(obj: Dict[str, Any]) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def _label_on_ray(cfg, candidates, mode, meta, todo, total_rows):
-    ray = init_ray(cfg.ray)
-    from ray.exceptions import RayActorError, RayTaskError
-
-    place: Placement = plan_workers(cfg.label.num_workers, cfg.label.cpus_per_worker)
-    n_workers = min(place.num_workers, len(todo))
-    Actor = ray.remote(LabelWorker).options(
-        num_gpus=place.num_gpus, num_cpus=place.num_cpus,
-        # A killed actor is restarted and its in-flight shard retried; outputs are atomic so retries are safe.
-        max_restarts=cfg.label.max_retries, max_task_retries=cfg.label.max_retries)
-    threads = max(1, int(place.num_cpus))
-    actors = [Actor.remote(cfg, candidates, mode, meta, threads) for _ in range(n_workers)]
-    infos = ray.get([a.info.remote() for a in actors])
-    for info in infos:
-        print(f"[label] worker {info['identity']} pid={info['pid']} device={info['device']} "
-              f"step cost (s) {json.dumps({b: round(c, 5) for b, c in info['step_cost_seconds'].items()})}",
-              flush=True)
-    progress = Progress("label", total_rows, enabled=cfg.progress, every=0)
-    queue = list(todo)
-    inflight = {}
-    failures = []
-
-    def submit(actor):
-        p, o, rj, n = queue.pop(0)
-        inflight[actor.label_shard.remote(str(p), str(o), str(rj))] = (actor, p, n)
-
-    for a in actors:
-        if queue:
-            submit(a)
-    while inflight:
-        done, _ = ray.wait(list(inflight), num_returns=1)
-        ref = done[0]
-        actor, p, n = inflight.pop(ref)
-        try:
-            res = ray.get(ref)
-            progress.update(n, f"shard {res['shard']} rows={res['rows']} rejects={res['rejects']} by {res['worker']}")
-        except (RayActorError, RayTaskError) as err:
-            failures.append(p.name)
-            print(f"[label] shard {p.name} failed: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
-            progress.update(n, f"shard {p.name} FAILED")
-            if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
-                actors.remove(actor)
-                actor = None
-        if queue and actor is not None:
-            submit(actor)
-        if not inflight and queue:  # every actor is dead: what is left fails, a rerun picks it up
-            failures.extend(p.name for p, *_ in queue)
-            queue.clear()
-    for a in actors:
-        ray.kill(a)
-    return infos, failures
+    tasks = [ShardTask(p.name, (str(p), str(o), str(rj)), n) for p, o, rj, n in todo]
+    return run_shard_actors(cfg, LabelWorker, (cfg, candidates, mode, meta), "label_shard", tasks,
+                            cfg.label.num_workers, "label")
 
 
 def _print_summary(s: Dict[str, Any]) -> None:

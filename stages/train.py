@@ -182,8 +182,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     fp = {"labels_manifest_sha256": file_sha256(labels_dir / MANIFEST), "train": vars(cfg.train).copy()}
     for key in ("num_workers", "max_failures", "cache_max_gb"):  # how it runs, not what it learns
         fp["train"].pop(key)
-    previous = check_fingerprint(train_dir, fp, cfg.force)
-    if previous is not None and previous != json.loads(json.dumps(fp, default=str)):
+    if check_fingerprint(train_dir, fp, cfg.force, (train_dir / RUN_NAME).exists() or is_complete(train_dir)):
         print(f"[train] force=true: config changed, discarding {train_dir / RUN_NAME}", flush=True)
         shutil.rmtree(train_dir / RUN_NAME, ignore_errors=True)
         clear_complete(train_dir)

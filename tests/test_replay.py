@@ -1,7 +1,6 @@
 """Exact greedy replay (label.mode=replay) against exhaustive labelling, prompt by prompt (CPU, fp32)."""
 
 import pytest
-import torch
 
 from pipeline.engine import Engine
 from pipeline.labeling import candidate_block_sizes, label_prompt, replay_label_prompt

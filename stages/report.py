@@ -1,0 +1,201 @@
+"""report: tables and plots over the label set, training and evaluation -> ``output_dir/report/``.
+
+Reads only what the other stages wrote (polars over the Parquet files, the train summary and metrics, the eval
+results); it runs no model except the exported policy, once over the val rows, for the confusion matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from pipeline.config import PipelineConfig
+from pipeline.shards import ensure_writable, is_complete, list_shards, mark_complete, write_text_atomic
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _md_table(header: List[str], rows: List[List[Any]]) -> str:
+    fmt = [lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(fmt[0](v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def label_section(labels_dir: Path, out: Path) -> List[str]:
+    import polars as pl
+
+    cols = ["prompt_id", "source", "candidates", "tau", "label_block_size", "label_speedup_block_size"]
+    df = pl.concat([pl.read_parquet(p, columns=cols) for p in list_shards(labels_dir)])
+    cands = df["candidates"][0].to_list()
+    tau = np.array(df["tau"].to_list(), dtype=np.float64)
+    sources = sorted(df["source"].unique().to_list())
+    md = ["## Label set", "", f"{df.height} labelled prompts from {len(sources)} source(s); candidates {cands}.", ""]
+    rows = []
+    for src in sources:
+        sub = df.filter(pl.col("source") == src)
+        counts = [int((sub["label_block_size"] == b).sum()) for b in cands]
+        rows.append([src, sub.height, *[f"{c} ({c / sub.height:.0%})" for c in counts]])
+    md += ["Optimal block size (argmax tau, ties to the smaller b) per source:", "",
+           _md_table(["source", "prompts", *[f"b={b}" for b in cands]], rows), ""]
+    q = np.percentile(tau, [25, 50, 75], axis=0)
+    md += ["Tau per candidate over all prompts:", "",
+           _md_table(["b", "mean tau", "p25", "median", "p75"],
+                     [[b, float(tau[:, i].mean()), float(q[0, i]), float(q[1, i]), float(q[2, i])]
+                      for i, b in enumerate(cands)]), ""]
+    speed = [int((df["label_speedup_block_size"] == b).sum()) for b in cands]
+    md += [f"Cost-aware label (argmax tau/cost) histogram: {dict(zip(cands, speed))}.", ""]
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / max(1, len(sources))
+    for k, src in enumerate(sources):
+        sub = df.filter(pl.col("source") == src)
+        share = [float((sub["label_block_size"] == b).mean()) for b in cands]
+        ax.bar(np.arange(len(cands)) + k * width, share, width, label=src)
+    ax.set(xticks=np.arange(len(cands)) + width * (len(sources) - 1) / 2, xticklabels=[str(b) for b in cands],
+           xlabel="optimal block size", ylabel="share of prompts", title="Optimal b per source")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "optimal_b_hist.png", dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.fill_between(cands, q[0], q[2], alpha=0.3, label="25-75%")
+    ax.plot(cands, q[1], marker="o", label="median")
+    ax.plot(cands, tau.mean(axis=0), marker="s", linestyle="--", label="mean")
+    ax.set(xlabel="block size b", ylabel="tau", title="Acceptance length against b")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_vs_b.png", dpi=90)
+    plt.close(fig)
+    md += ["![optimal b per source](optimal_b_hist.png) ![tau against b](tau_vs_b.png)", ""]
+    return md
+
+
+def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
+    import polars as pl
+    import torch
+
+    from pipeline.policy import BlockSizePolicy, is_val
+
+    s = json.loads((train_dir / "summary.json").read_text())
+    f = s["final"]
+    md = ["## Policy", "", f"{s['train_rows']} train / {s['val_rows']} val rows, {s['epochs']} epochs; "
+          f"training curves: ![curves](../train/curves.png)", ""]
+    if "val_accuracy" in f:
+        md += [_md_table(["metric", "value"], [
+            ["val accuracy", f["val_accuracy"]],
+            [f"val majority-class accuracy (b={s['majority_class_block_size']})", s["val_majority_accuracy"]],
+            ["val top-2 accuracy", f["val_top2_accuracy"]],
+            ["val mean tau: policy", f["val_tau_policy"]],
+            [f"val mean tau: best fixed b={s['best_fixed_block_size']} (chosen on train)", f["val_tau_best_fixed"]],
+            ["val mean tau: trained B", f["val_tau_trained_b"]],
+            ["val mean tau: oracle", f["val_tau_oracle"]],
+            ["val regret (oracle - policy)", f["val_regret"]]]), ""]
+    policy = BlockSizePolicy.from_pretrained(train_dir / "policy")
+    from omegaconf import OmegaConf
+
+    # The split the policy was trained with, from the train stage's resolved config.
+    val_fraction = float(OmegaConf.load(train_dir / "config.yaml").train.val_fraction)
+    label_col = "label_speedup_block_size" if policy.info.get("label") == "speedup" else "label_block_size"
+    rows = []
+    for p in list_shards(labels_dir):
+        d = pl.read_parquet(p, columns=["prompt_id", "logits", label_col])
+        rows.append(d.filter(pl.col("prompt_id").map_elements(lambda i: is_val(i, val_fraction),
+                                                                return_dtype=pl.Boolean)))
+    val = pl.concat(rows)
+    if val.height:
+        x = torch.from_numpy(np.stack(val["logits"].to_numpy()).astype(np.float32))
+        pred = policy.choose_batch(x)
+        cands = policy.candidates
+        cm = np.zeros((len(cands), len(cands)), dtype=int)
+        for t, p in zip(val[label_col].to_list(), pred):
+            cm[cands.index(t), cands.index(p)] += 1
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        ax.imshow(cm, cmap="Blues")
+        for i in range(len(cands)):
+            for j in range(len(cands)):
+                ax.text(j, i, str(cm[i, j]), ha="center", va="center")
+        ax.set(xticks=range(len(cands)), yticks=range(len(cands)), xticklabels=cands, yticklabels=cands,
+               xlabel="policy's choice", ylabel="label", title="Confusion matrix (val)")
+        fig.tight_layout()
+        fig.savefig(out / "confusion.png", dpi=90)
+        plt.close(fig)
+        md += ["![confusion matrix](confusion.png)", ""]
+    return md
+
+
+def eval_section(eval_dir: Path, out: Path) -> List[str]:
+    s = json.loads((eval_dir / "summary.json").read_text())
+    md = ["## Evaluation (held-out prompt sets)", "", (eval_dir / "summary.md").read_text().split("\n", 1)[1], ""]
+    plt = _plt()
+    methods, datasets = s["methods"], [*s["datasets"], "average"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods)), 3.8))
+    width = 0.8 / len(datasets)
+    for k, ds in enumerate(datasets):
+        vals = [s["tables"]["speedup"][m].get(ds) or 0.0 for m in methods]
+        ax.bar(np.arange(len(methods)) + k * width, vals, width, label=ds)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xticks=np.arange(len(methods)) + width * (len(datasets) - 1) / 2, xticklabels=methods,
+           ylabel="speedup vs AR", title="Speedup per dataset and method")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=90)
+    plt.close(fig)
+    md += ["![speedup per dataset and method](speedup.png)", ""]
+    return md
+
+
+def headline(output_dir: Path) -> Dict[str, Optional[float]]:
+    """The numbers `blockpilot run` ends with: adaptive vs best fixed b vs oracle, tau and speedup (average)."""
+    p = output_dir / "eval" / "summary.json"
+    if not p.exists():
+        return {}
+    s = json.loads(p.read_text())
+    tau, sp = s["tables"]["tau"], s["tables"]["speedup"]
+    fixed = [m for m in s["methods"] if m.startswith("b=")]
+    best = max(fixed, key=lambda m: tau[m]["average"] or 0) if fixed else None
+    return {"adaptive_tau": tau["adaptive"]["average"], "adaptive_speedup": sp["adaptive"]["average"],
+            "best_fixed": best, "best_fixed_tau": tau[best]["average"] if best else None,
+            "best_fixed_speedup": sp[best]["average"] if best else None,
+            "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"]}
+
+
+def run(cfg: PipelineConfig) -> Dict[str, Any]:
+    t0 = time.monotonic()
+    root = Path(cfg.output_dir)
+    out = root / "report"
+    ensure_writable(out)
+    md = ["# BlockPilot report", "", f"Run folder: `{root}`.", ""]
+    done = []
+    if is_complete(root / "labels"):
+        md += label_section(root / "labels", out)
+        done.append("labels")
+    if is_complete(root / "train"):
+        md += train_section(root / "train", root / "labels", out)
+        done.append("train")
+    if is_complete(root / "eval"):
+        md += eval_section(root / "eval", out)
+        done.append("eval")
+    if not done:
+        raise FileNotFoundError(f"nothing to report in {root}: no complete labels, train or eval stage")
+    write_text_atomic("\n".join(md) + "\n", out / "report.md")
+    mark_complete(out)
+    summary = {"stage": "report", "report": str(out / "report.md"), "sections": done,
+               "plots": sorted(p.name for p in out.glob("*.png")), "headline": headline(root),
+               "wall_seconds": round(time.monotonic() - t0, 1)}
+    print(f"[report] {out / 'report.md'} ({', '.join(done)})", flush=True)
+    return summary

@@ -1,0 +1,36 @@
+"""run: prepare -> label -> train -> evaluate -> report in one command.
+
+Each stage skips itself when its output folder is complete and was made with the same config, so rerunning after
+a failure picks up where it stopped. Ends by printing where the report is and the headline numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+from pipeline.config import PipelineConfig
+
+ORDER = ("prepare", "label", "train", "evaluate", "report")
+
+
+def run(cfg: PipelineConfig) -> Dict[str, Any]:
+    from stages import STAGES
+
+    t0 = time.monotonic()
+    summaries: Dict[str, Any] = {}
+    for name in ORDER:
+        print(f"[run] === {name} ===", flush=True)
+        t = time.monotonic()
+        summaries[name] = STAGES[name].load()(cfg)
+        print(f"[run] {name} finished in {time.monotonic() - t:.1f} s", flush=True)
+    report = summaries["report"]
+    h = report.get("headline", {})
+    wall = round(time.monotonic() - t0, 1)
+    print(f"[run] done in {wall} s. Report: {report['report']}")
+    if h:
+        print(f"[run] held-out average: adaptive tau {h['adaptive_tau']:.2f} / speedup {h['adaptive_speedup']:.2f}x; "
+              f"best fixed {h['best_fixed']} tau {h['best_fixed_tau']:.2f} / {h['best_fixed_speedup']:.2f}x; "
+              f"oracle tau {h['oracle_tau']:.2f} / {h['oracle_speedup']:.2f}x", flush=True)
+    return {"stage": "run", "report": report["report"], "headline": h, "wall_seconds": wall,
+            "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}

@@ -118,6 +118,8 @@ class TrainConfig:
     # tau | speedup (the cost-aware label)
     label: str = "tau"
     num_workers: int = 1
+    # None = train on GPUs when the cluster has one per worker.
+    use_gpu: Optional[bool] = None
     max_failures: int = 2
     seed: int = 0
     # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size.

@@ -130,8 +130,11 @@ by really decoding at every candidate block size b in {{B-k .. B+k}}, with the b
 `rejects.jsonl` (`prompt_id`, `source`, `reason`, `detail`). `manifest.json` lists every file with its rows and
 sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it.
 
-Read it with `polars.scan_parquet("DIR/*.parquet")` (`logits` is an `Array(Float16, V)` column),
-`pyarrow.dataset.dataset("DIR")`, or `datasets.load_dataset("parquet", data_dir="DIR")`.
+Read it with `polars.scan_parquet("DIR/part-*.parquet")` (`logits` is an `Array(Float16, V)` column),
+`pyarrow.parquet.read_table("DIR/part-00000.parquet")`, or
+`datasets.load_dataset("parquet", data_dir="DIR", data_files="part-*.parquet")`. Name the shard files as shown:
+the folder also holds this card, `manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every
+file in the folder (HF's `data_dir=` alone, Spark-style) would try to parse as Parquet.
 
 ## Columns
 

@@ -180,7 +180,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     B = int(meta["trained_block_size"])
     label_col = _label_column(cfg)
     fp = {"labels_manifest_sha256": file_sha256(labels_dir / MANIFEST), "train": vars(cfg.train).copy()}
-    for key in ("num_workers", "max_failures", "cache_max_gb"):  # how it runs, not what it learns
+    for key in ("num_workers", "use_gpu", "max_failures", "cache_max_gb"):  # how it runs, not what it learns
         fp["train"].pop(key)
     if check_fingerprint(train_dir, fp, cfg.force, (train_dir / RUN_NAME).exists() or is_complete(train_dir)):
         print(f"[train] force=true: config changed, discarding {train_dir / RUN_NAME}", flush=True)
@@ -215,7 +215,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
 
     train_ds = ds.map_batches(keep, fn_kwargs={"val": False}, batch_format="numpy")
     val_ds = ds.map_batches(keep, fn_kwargs={"val": True}, batch_format="numpy")
-    use_gpu = ray.cluster_resources().get("GPU", 0) >= cfg.train.num_workers
+    use_gpu = cfg.train.use_gpu
+    if use_gpu is None:
+        use_gpu = ray.cluster_resources().get("GPU", 0) >= cfg.train.num_workers
     cpus = ray.cluster_resources().get("CPU", 1)
     # On small CPU machines whole-CPU workers starve Ray Data's read tasks and the run hangs.
     per_worker = 1.0 if use_gpu or cpus >= 2 * cfg.train.num_workers + 2 else 0.5

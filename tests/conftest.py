@@ -1,4 +1,39 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small, fast settings for the real tiny pair: what the stage tests share.
+FAST = [
+    "progress=false", "decode.max_new_tokens=32", "prepare.shard_size=8", "prepare.limit=16",
+    "workers.cpus_per_worker=0.5", "train.epochs=4", "train.hidden=64", "train.lr=1e-3", "train.batch_size=8",
+    "train.val_fraction=0.25", "train.use_gpu=false", "evaluate.limit=4",
+]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session, advertising 2 GPUs that do not exist: label and evaluate then place
+    one actor per (fake) GPU exactly as on a GPU node, while the models run on the CPU (CUDA is absent)."""
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def blockpilot(*args, timeout=600, **kw):
+    """Run the CLI in a fresh process (its own local Ray: ray.address=local)."""
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, **kw)

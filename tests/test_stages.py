@@ -1,0 +1,235 @@
+"""prepare -> label -> train -> evaluate -> report with the real tiny pair on real (local) Ray.
+
+One run is made per module and shared by the read-only tests; tests that damage or rerun work on a copy.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import FAST
+from pipeline.config import load_config
+from pipeline.dataset import PROMPTS_SCHEMA, decode_metadata, labels_schema
+from pipeline.shards import list_shards, mark_complete, write_json_atomic, write_parquet_atomic
+from pipeline.validate import validate_dataset
+
+
+def cfg_for(out, *extra):
+    return load_config([f"output_dir={out}", *FAST, *extra])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, ray_session):
+    from stages import prepare, label, train, evaluate, report
+
+    out = tmp_path_factory.mktemp("run")
+    cfg = cfg_for(out)
+    summaries = {}
+    for name, mod in (("prepare", prepare), ("label", label), ("train", train), ("evaluate", evaluate),
+                      ("report", report)):
+        summaries[name] = mod.run(cfg)
+    return out, summaries
+
+
+# ---- label ------------------------------------------------------------------------------------------------------
+
+def test_label_dataset_contract(run_dir):
+    out, summaries = run_dir
+    labels = out / "labels"
+    rep = validate_dataset(str(labels))
+    assert rep.ok, rep.render()
+    assert rep.summary["rows"] == 16 and len(list_shards(labels)) == 2  # one label shard per prompt shard
+    assert [p.name for p in list_shards(labels)] == [p.name for p in list_shards(out / "prompts")]
+    meta = decode_metadata(pq.read_schema(labels / "part-00000.parquet").metadata)
+    for key in ("schema_version", "target", "draft", "target_revision", "draft_revision", "trained_block_size",
+                "candidates", "temperature", "max_new_tokens", "seed", "vocab_size", "config_sha256",
+                "package_version", "label_mode", "step_cost_seconds"):
+        assert key in meta, key
+    assert meta["trained_block_size"] == 8 and meta["candidates"] == [6, 7, 8, 9, 10]
+    assert meta["label_mode"] == "replay"  # auto at T = 0
+    V = meta["vocab_size"]
+    table = pq.read_table(labels / "part-00000.parquet")
+    assert table.schema.remove_metadata().equals(labels_schema(V))
+    for row in table.select(["candidates", "tau", "steps", "new_tokens", "label_block_size", "label_index",
+                             "label_speedup_block_size"]).to_pylist():
+        tau = row["tau"]
+        best = max(tau)
+        assert row["label_index"] == tau.index(best)  # argmax, first (smaller b) on ties
+        assert row["candidates"][row["label_index"]] == row["label_block_size"]
+        assert row["label_speedup_block_size"] in row["candidates"]
+        assert len(set(row["new_tokens"])) == 1  # lossless: every b generates the same tokens
+        assert all(t >= 1 for t in tau)
+    # Two label actors, one per (fake) GPU, on distinct GPU ids.
+    workers = summaries["label"]["workers"]
+    assert sorted(w["gpu_ids"][0] for w in workers) == ["0", "1"]
+    assert len({w["identity"] for w in workers}) == 2
+    assert (labels / "dataset_card.md").read_text().count("`logits`") >= 1
+    assert (labels / "config.yaml").exists() and len((labels / "config.sha256").read_text().strip()) == 64
+
+
+def test_other_readers(run_dir):
+    import datasets
+    import polars as pl
+
+    labels = run_dir[0] / "labels"
+    lf = pl.scan_parquet(str(labels / "part-*.parquet"))
+    V = decode_metadata(pq.read_schema(labels / "part-00000.parquet").metadata)["vocab_size"]
+    assert lf.collect_schema()["logits"] == pl.Array(pl.Float16, V)
+    assert lf.select(pl.len()).collect().item() == 16
+    ds = datasets.load_dataset("parquet", data_dir=str(labels), data_files="part-*.parquet", split="train")
+    assert ds.num_rows == 16 and len(ds[0]["logits"]) == V
+    assert ds[0]["prompt_id"] in set(lf.select("prompt_id").collect()["prompt_id"].to_list())
+
+
+def test_rerun_skips_and_drift_is_refused(run_dir, ray_session):
+    from stages import label
+
+    out = run_dir[0]
+    assert label.run(cfg_for(out))["skipped"] is True
+    with pytest.raises(FileExistsError, match="max_new_tokens"):
+        label.run(cfg_for(out, "decode.max_new_tokens=16"))
+
+
+def test_bad_shard_is_reported_and_only_it_is_regenerated(run_dir, tmp_path, ray_session):
+    from stages import label
+
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir[0], out, ignore=shutil.ignore_patterns("train", "eval", "report"))
+    labels = out / "labels"
+    good, bad = labels / "part-00000.parquet", labels / "part-00001.parquet"
+    original = pq.read_table(bad).select(["prompt_id", "tau", "label_block_size"])
+    good_mtime = good.stat().st_mtime_ns
+    bad.write_bytes(bad.read_bytes()[:1000])  # truncated
+    rep = validate_dataset(str(labels))
+    assert not rep.ok and any("part-00001.parquet" in p for p in rep.problems)
+    label.run(cfg_for(out))
+    assert validate_dataset(str(labels)).ok
+    assert good.stat().st_mtime_ns == good_mtime
+    again = pq.read_table(bad).select(["prompt_id", "tau", "label_block_size"])
+    assert again.equals(original)  # T = 0: the same rows as before
+
+
+def test_exhaustive_mode_labels_like_replay(run_dir, tmp_path, ray_session):
+    from stages import label
+
+    out = tmp_path / "exh"
+    shutil.copytree(run_dir[0] / "prompts", out / "prompts")
+    label.run(cfg_for(out, "label.mode=exhaustive"))
+    cols = ["prompt_id", "tau", "steps", "new_tokens", "label_block_size"]
+    read = lambda d: pa.concat_tables([pq.read_table(p, columns=cols) for p in list_shards(d)])  # noqa: E731
+    assert read(out / "labels").equals(read(run_dir[0] / "labels"))
+    meta = decode_metadata(pq.read_schema(out / "labels" / "part-00000.parquet").metadata)
+    assert meta["label_mode"] == "exhaustive"
+
+
+def test_a_failing_prompt_is_rejected_and_the_shard_completes(tmp_path, ray_session):
+    from pipeline.sources import build_prompts
+    from pipeline.models import load_tokenizer
+    from stages import label
+
+    cfg = cfg_for(tmp_path)
+    rows, _, _ = build_prompts(cfg.prepare.sources, load_tokenizer(cfg.model), 1024, limit=4)
+    rows[1] = dict(rows[1], input_ids=[10 ** 7] * 5, prompt_tokens=5)  # no such token: the embedding fails
+    (tmp_path / "prompts").mkdir()
+    write_parquet_atomic(pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA), tmp_path / "prompts" / "part-00000.parquet")
+    write_json_atomic({"rows": 4}, tmp_path / "prompts" / "manifest.json")
+    mark_complete(tmp_path / "prompts")
+    summary = label.run(cfg)
+    assert summary["rows"] == 3 and summary["rejects"] == 1
+    rejects = [json.loads(x) for x in (tmp_path / "labels" / "rejects.jsonl").read_text().splitlines()]
+    assert rejects[0]["prompt_id"] == rows[1]["prompt_id"] and rejects[0]["reason"] == "decode_error"
+    assert "IndexError" in rejects[0]["detail"] or "index" in rejects[0]["detail"].lower()
+    assert summary["rejects_by_worker"] and validate_dataset(str(tmp_path / "labels")).ok
+
+
+# ---- train ------------------------------------------------------------------------------------------------------
+
+def test_train_outputs_and_policy_round_trip(run_dir):
+    from pipeline.policy import BlockSizePolicy
+
+    out, summaries = run_dir
+    train = out / "train"
+    history = [json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    for key in ("val_accuracy", "val_top2_accuracy", "val_tau_policy", "val_tau_best_fixed", "val_tau_oracle",
+                "val_regret"):
+        assert key in history[-1]
+    assert list((train / "ray").glob("checkpoint_*"))
+    assert (train / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    policy = BlockSizePolicy.from_pretrained(train / "policy")
+    assert policy.candidates == [6, 7, 8, 9, 10] and policy.info["epochs"] == 4
+    x = torch.from_numpy(np.stack(pq.read_table(out / "labels" / "part-00000.parquet", columns=["logits"])
+                                  .column("logits").to_numpy(zero_copy_only=False)).astype(np.float32))
+    again = BlockSizePolicy.from_pretrained(train / "policy")
+    assert torch.equal(policy.scores(x), again.scores(x)) and policy.choose_batch(x) == again.choose_batch(x)
+    assert policy.choose(x[0]) in policy.candidates
+    with pytest.raises(ValueError, match="vocabulary of"):
+        policy.choose(torch.zeros(policy.vocab_size + 1))
+    s = summaries["train"]
+    assert s["val_rows"] + s["train_rows"] == 16 and s["val_majority_accuracy"] is not None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_schema"])
+def test_train_refuses_a_bad_shard_naming_it(run_dir, tmp_path, damage, ray_session):
+    from stages import train
+
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir[0] / "labels", out / "labels")
+    bad = out / "labels" / "part-00001.parquet"
+    if damage == "truncated":
+        bad.write_bytes(bad.read_bytes()[:500])
+    else:
+        pq.write_table(pa.table({"prompt_id": ["x"], "tau": [1.0]}), bad)
+    with pytest.raises(ValueError, match="part-00001.parquet"):
+        train.run(cfg_for(out))
+
+
+# ---- evaluate and report ------------------------------------------------------------------------------------------
+
+def test_evaluate_results_and_summary(run_dir):
+    import polars as pl
+
+    out, summaries = run_dir
+    s = summaries["evaluate"]
+    res = pl.read_parquet(out / "eval" / "results.parquet")
+    methods = s["methods"]
+    assert methods[0] == "AR" and methods[-2:] == ["adaptive", "oracle"]
+    assert {f"b={b}" for b in (2, 4, 6, 7, 8, 9, 10, 16)} <= set(methods)  # {B/4, B/2, B, 2B} + C for B = 8
+    assert set(s["datasets"]) == {"humaneval", "stdlib-heldout-eval"}
+    assert res.height == 8 * len(methods)  # 4 prompts per dataset x every method
+    # T = 0: every method, adaptive included, reproduces autoregressive greedy output.
+    assert res["matches_autoregressive"].all()
+    adaptive = res.filter(pl.col("method") == "adaptive")
+    assert adaptive["block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
+    for metric in ("tau", "speedup"):
+        for m in methods:
+            for ds in [*s["datasets"], "average"]:
+                assert s["tables"][metric][m][ds] is not None, (metric, m, ds)
+    assert s["tables"]["speedup"]["AR"]["average"] == pytest.approx(1.0)
+    md = (out / "eval" / "summary.md").read_text()
+    assert all(f"| {m} |" in md for m in methods)
+    csv = (out / "eval" / "summary.csv").read_text().splitlines()
+    assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 2 * len(methods)
+
+
+def test_report_has_tables_and_valid_pngs(run_dir):
+    import matplotlib.image as mpimg
+
+    out, summaries = run_dir
+    report = out / "report"
+    text = (report / "report.md").read_text()
+    for heading in ("## Label set", "## Policy", "## Evaluation"):
+        assert heading in text
+    pngs = sorted(p.name for p in report.glob("*.png"))
+    assert pngs == ["confusion.png", "optimal_b_hist.png", "speedup.png", "tau_vs_b.png"]
+    for p in report.glob("*.png"):
+        img = mpimg.imread(p)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert summaries["report"]["headline"]["adaptive_tau"] >= 1

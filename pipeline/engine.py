@@ -102,7 +102,8 @@ class Engine:
     def trained_block_size(self) -> int:
         return int(self.draft.block_size)
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """A clock that waits for queued CUDA work first (plain perf_counter on CPU)."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -116,7 +117,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         n = input_ids.shape[1]
         cache = _make_cache(self.target.config)
-        t0 = self._now()
+        t0 = self.now()
         out = self.target(
             input_ids,
             position_ids=torch.arange(n, device=self.device)[None],
@@ -127,7 +128,7 @@ class Engine:
         )
         context = extract_context_feature(out.hidden_states, self.draft.target_layer_ids)
         _crop_to(cache, n)
-        seconds = self._now() - t0
+        seconds = self.now() - t0
         return PrefillState(input_ids, out.logits[0, -1], cache, context, seconds)
 
     def decode(
@@ -179,7 +180,7 @@ class Engine:
 
         result = DecodeResult(output_ids, num_input_tokens, block_size)
         kept = [state.context] if keep_context else None
-        t_start = self._now()
+        t_start = self.now()
         start = num_input_tokens
         stop_tokens = (
             torch.tensor(self.stop_token_ids, dtype=output_ids.dtype, device=self.device)
@@ -187,7 +188,7 @@ class Engine:
         )
         stopped = stop_tokens is not None and bool(torch.isin(output_ids[:, start], stop_tokens).any())
         while start + 1 < max_length and not stopped:
-            t0 = self._now()
+            t0 = self.now()
             verify_size = min(block_size, max_length - start)
             block_output_ids = output_ids[:, start:start + verify_size].clone()
             block_position_ids = position_ids[:, start:start + verify_size]
@@ -213,7 +214,7 @@ class Engine:
                         block_output_ids[:, 1:] = _sample_probs(draft_probs)
                     else:
                         block_output_ids[:, 1:] = torch.argmax(draft_logits, dim=-1)
-            t1 = self._now()
+            t1 = self.now()
             output = target(
                 block_output_ids,
                 position_ids=block_position_ids,
@@ -252,7 +253,7 @@ class Engine:
                 target_hidden = extract_context_feature(output.hidden_states, draft.target_layer_ids)[:, :produced, :]
                 if kept is not None:
                     kept.append(target_hidden)
-            t2 = self._now()
+            t2 = self.now()
             result.draft_seconds += t1 - t0
             result.verify_seconds += t2 - t1
 
@@ -260,7 +261,7 @@ class Engine:
         result.stopped = bool(stopped)
         if kept is not None:
             result.context = torch.cat(kept, dim=1)
-        result.decode_seconds = self._now() - t_start
+        result.decode_seconds = self.now() - t_start
         return result
 
 

@@ -161,7 +161,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     ensure_writable(eval_dir)
     policy = BlockSizePolicy.from_pretrained(policy_dir)
     cands = policy.candidates
-    B = cands[len(cands) // 2]
+    B = int(policy.info.get("trained_block_size", cands[len(cands) // 2]))
     fixed = sorted(cfg.evaluate.fixed_block_sizes or default_fixed_block_sizes(B, cands))
     fp = {"model": vars(cfg.model), "decode": vars(cfg.decode),
           "sources": json.loads(json.dumps([vars(s) for s in cfg.evaluate.sources])), "limit": cfg.evaluate.limit,
@@ -219,6 +219,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     decode_rejects = [r for p in sorted(results_dir.glob(".rejects-*.jsonl")) for r in read_jsonl(p)]
     summary = summarize(results, methods)
     summary.update({"stage": "evaluate", "output": str(eval_dir), "candidates": cands, "fixed_block_sizes": fixed,
+                    "trained_block_size": B,
                     "decode_rejects": len(decode_rejects), "wall_seconds": round(time.monotonic() - t_start, 1)})
     write_text_atomic(render_markdown(summary), eval_dir / "summary.md")
     write_text_atomic(render_csv(summary), eval_dir / "summary.csv")

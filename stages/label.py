@@ -72,12 +72,10 @@ def trained_block_size(cfg: PipelineConfig) -> int:
 
 
 def resolve_mode(cfg: PipelineConfig) -> str:
+    """auto = replay at T = 0 (exact there, and much cheaper), exhaustive otherwise."""
     if cfg.label.mode != "auto":
         return cfg.label.mode
-    from pipeline import labeling
-
-    # replay is exact at T = 0 only (and only where it is built).
-    return "replay" if cfg.decode.temperature == 0 and hasattr(labeling, "replay_label_prompt") else "exhaustive"
+    return "replay" if cfg.decode.temperature == 0 else "exhaustive"
 
 
 def fingerprint(cfg: PipelineConfig, candidates: List[int], prompts_manifest_sha: str) -> Dict[str, Any]:

@@ -168,7 +168,11 @@ def headline(output_dir: Path) -> Dict[str, Optional[float]]:
     tau, sp = s["tables"]["tau"], s["tables"]["speedup"]
     fixed = [m for m in s["methods"] if m.startswith("b=")]
     best = max(fixed, key=lambda m: tau[m]["average"] or 0) if fixed else None
+    trained = f"b={s.get('trained_block_size')}"
     return {"adaptive_tau": tau["adaptive"]["average"], "adaptive_speedup": sp["adaptive"]["average"],
+            "trained_b": trained if trained in tau else None,
+            "trained_b_tau": tau[trained]["average"] if trained in tau else None,
+            "trained_b_speedup": sp[trained]["average"] if trained in tau else None,
             "best_fixed": best, "best_fixed_tau": tau[best]["average"] if best else None,
             "best_fixed_speedup": sp[best]["average"] if best else None,
             "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"]}

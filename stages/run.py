@@ -29,8 +29,11 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     wall = round(time.monotonic() - t0, 1)
     print(f"[run] done in {wall} s. Report: {report['report']}")
     if h:
-        print(f"[run] held-out average: adaptive tau {h['adaptive_tau']:.2f} / speedup {h['adaptive_speedup']:.2f}x; "
-              f"best fixed {h['best_fixed']} tau {h['best_fixed_tau']:.2f} / {h['best_fixed_speedup']:.2f}x; "
-              f"oracle tau {h['oracle_tau']:.2f} / {h['oracle_speedup']:.2f}x", flush=True)
+        line = (f"[run] held-out average tau / speedup vs AR: adaptive {h['adaptive_tau']:.2f} / "
+                f"{h['adaptive_speedup']:.2f}x; best fixed {h['best_fixed']} {h['best_fixed_tau']:.2f} / "
+                f"{h['best_fixed_speedup']:.2f}x; oracle {h['oracle_tau']:.2f} / {h['oracle_speedup']:.2f}x")
+        if h.get("trained_b"):
+            line += f"; trained B ({h['trained_b']}) {h['trained_b_tau']:.2f} / {h['trained_b_speedup']:.2f}x"
+        print(line, flush=True)
     return {"stage": "run", "report": report["report"], "headline": h, "wall_seconds": wall,
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}

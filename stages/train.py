@@ -206,7 +206,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     columns = ["prompt_id", "logits", "tau", label_col]
-    ds = ray.data.read_parquet([str(p) for p in shards], columns=columns)
+    ds = ray.data.read_parquet([str(p) for p in shards]).select_columns(columns)
     frac = cfg.train.val_fraction
 
     def keep(batch, val: bool):
@@ -242,7 +242,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     print(f"[train] {int((~val_mask).sum())} train / {int(val_mask.sum())} val rows, candidates {candidates}, "
           f"V={vocab}, {cfg.train.epochs} epochs, {cfg.train.num_workers} worker(s), gpu={use_gpu}", flush=True)
     result = trainer.fit()
-    summary = _export(cfg, result, train_dir, candidates, vocab, fp, fixed_index, majority, y, val_mask)
+    summary = _export(cfg, result, train_dir, candidates, vocab, B, fp, fixed_index, majority, y, val_mask)
     summary["wall_seconds"] = round(time.monotonic() - t_start, 1)
     (train_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     mark_complete(train_dir)
@@ -250,7 +250,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     return summary
 
 
-def _export(cfg, result, train_dir: Path, candidates, vocab, fp, fixed_index, majority, y, val_mask):
+def _export(cfg, result, train_dir: Path, candidates, vocab, B, fp, fixed_index, majority, y, val_mask):
     import torch
 
     from pipeline.policy import BlockSizeMLP, BlockSizePolicy
@@ -267,7 +267,7 @@ def _export(cfg, result, train_dir: Path, candidates, vocab, fp, fixed_index, ma
     val_y = y[val_mask]
     info = {"label_dataset_fingerprint": fp["labels_manifest_sha256"], "label": t.label,
             "objective": t.objective, "epochs": int(state["epoch"]) + 1, "final_metrics": final,
-            "best_fixed_block_size": candidates[fixed_index]}
+            "best_fixed_block_size": candidates[fixed_index], "trained_block_size": int(B)}
     BlockSizePolicy(model, candidates, vocab, t.input_transform, info).save_pretrained(train_dir / "policy")
     _plot(history, train_dir / "curves.png")
     return {

@@ -5,7 +5,6 @@ One run is made per module and shared by the read-only tests; tests that damage 
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa

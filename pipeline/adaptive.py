@@ -30,9 +30,9 @@ class AdaptiveDecoder:
             policy.model.to(engine.device)
 
     def choose(self, state: PrefillState) -> tuple:
-        t0 = self.engine._now()
+        t0 = self.engine.now()
         b = self.policy.choose(state.logits)
-        return b, self.engine._now() - t0
+        return b, self.engine.now() - t0
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: Optional[int] = 0, state: Optional[PrefillState] = None) -> AdaptiveResult:

@@ -215,8 +215,11 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         raise RuntimeError(f"evaluate: {len(failures)} shard(s) failed after retries: {', '.join(failures)}; "
                            "rerun to retry them")
     results = pa.concat_tables([pq.read_table(p) for p in list_shards(results_dir)])
-    write_parquet_atomic(results, eval_dir / "results.parquet", compression="zstd")
     decode_rejects = [r for p in sorted(results_dir.glob(".rejects-*.jsonl")) for r in read_jsonl(p)]
+    if results.num_rows == 0:
+        first = decode_rejects[0]["detail"] if decode_rejects else "no prompts"
+        raise RuntimeError(f"evaluate: every prompt failed ({len(decode_rejects)} rejects; first: {first})")
+    write_parquet_atomic(results, eval_dir / "results.parquet", compression="zstd")
     summary = summarize(results, methods)
     summary.update({"stage": "evaluate", "output": str(eval_dir), "candidates": cands, "fixed_block_sizes": fixed,
                     "trained_block_size": B,

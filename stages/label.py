@@ -312,6 +312,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         print(f"[label] {len(failures)} shard(s) failed: {failures}; rerun `blockpilot label` to retry them",
               flush=True)
         raise RuntimeError(f"label: {len(failures)} shard(s) failed after retries: {', '.join(failures)}")
+    if manifest["rows"] == 0 and manifest["rejects"]:
+        first = read_jsonl(labels_dir / "rejects.jsonl")[0]["detail"]
+        raise RuntimeError(f"label: every prompt failed ({manifest['rejects']} rejects; first: {first})")
     mark_complete(labels_dir)
     _print_summary(summary)
     return summary

@@ -19,10 +19,10 @@ def init_ray(cfg: RayConfig):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
         address = cfg.address or os.environ.get("RAY_ADDRESS")
-        if address:
+        if address and address != "local":
             ray.init(address=address, **kwargs)
-        else:
-            ray.init(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, **kwargs)
+        else:  # a new local Ray ("local", or nothing to join), with the resources it may advertise
+            ray.init(address=address, num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, **kwargs)
     return ray
 
 

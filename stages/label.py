@@ -243,6 +243,11 @@ def _write_manifest(labels_dir: Path, fp: Dict[str, Any], workers: List[Dict[str
         files.append({"file": p.name, "rows": pq.read_metadata(p).num_rows, "bytes": p.stat().st_size,
                       "sha256": file_sha256(p), "rejects": len(shard_rejects)})
     write_jsonl_atomic(rejects, labels_dir / "rejects.jsonl")
+    # Workers of earlier (interrupted) runs too: each labelled some of the shards.
+    if (labels_dir / MANIFEST).exists():
+        earlier = json.loads((labels_dir / MANIFEST).read_text()).get("workers", [])
+        seen = {(w.get("identity"), w.get("pid")) for w in workers}
+        workers = [w for w in earlier if (w.get("identity"), w.get("pid")) not in seen] + workers
     summary = summarize(labels_dir)
     manifest = {
         "schema_version": LABELS_SCHEMA_VERSION, "files": files, "rows": sum(f["rows"] for f in files),
@@ -289,6 +294,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         return {"stage": "label", "skipped": True, "output": str(labels_dir), **manifest["summary"],
                 "rejects": manifest["rejects"]}
     clear_complete(labels_dir)
+    for stale in labels_dir.glob(".part-*.tmp-*"):  # left by a writer killed mid-write
+        stale.unlink(missing_ok=True)
     n_shards = len(list_shards(prompts_dir))
     print(f"[label] B={B} candidates={candidates} mode={mode}: {len(todo)}/{n_shards} shards "
           f"({total_rows} prompts) to label", flush=True)

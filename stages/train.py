@@ -142,13 +142,15 @@ def train_loop(config: Dict[str, Any]) -> None:
                 torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
                            Path(d) / "state.pt")
                 (Path(d) / "history.json").write_text(json.dumps(history))
-                # The whole history each time: a resumed run rewrites it, never duplicates an epoch.
-                write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
                 checkpoint = Checkpoint.from_directory(d)
                 if config["progress"]:
                     shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
                     print(f"[train] epoch {epoch + 1}/{t['epochs']} {shown}", flush=True)
             ray.train.report(metrics, checkpoint=checkpoint)
+        if rank == 0:
+            # After the report, so the file never runs ahead of the checkpoints; the whole history each time,
+            # so a resumed run rewrites it and never duplicates an epoch.
+            write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
 
 
 def _split_tables(shards: List[Path], val_fraction: float, label_col: str, candidates: List[int]):

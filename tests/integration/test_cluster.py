@@ -1,0 +1,192 @@
+"""A real two-node Ray cluster on this machine, the stages submitted to it as Ray jobs.
+
+A head (with the dashboard, i.e. the job server) and a worker node are started with ``ray start --block`` on
+non-default ports and their own temp dir, each advertising one GPU that does not exist. ``jobs/prepare.py``,
+``jobs/label.py`` and ``jobs/train.py`` are submitted with ``ray job submit --working-dir .``, the way the README
+runs them on a cluster. Checked: every job succeeds, the two label actors land on distinct (node, GPU) pairs (one
+per node), the label set validates, train finishes. Teardown kills the two ``ray start`` process groups (never
+``ray stop``, which would kill every Ray on the machine) and checks that no process of the cluster is left.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from conftest import FAST
+
+from .conftest import (BLOCKPILOT, PYTHON, RAY, REPO, Run, base_env, free_port_range, free_ports, kill_group,
+                       marked_pids, reap, short_tmpdir)
+
+# Ray's default ports: none of them may be used here, so a default Ray on the same machine is left alone.
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365, 8076, 8077, 8080}
+# The 2 GB venv, the git store and local runs must not be uploaded with the working dir.
+EXCLUDES = [".venv", ".git", "runs", "tmp", "build", "dist", ".whl", "**/__pycache__", ".pytest_cache",
+            "*.egg-info", "benchmarks"]
+SMALL = [*FAST, "train.epochs=2"]  # FAST already has workers.cpus_per_worker=0.5 and train.use_gpu=false
+
+
+class Cluster:
+    """Head + one worker node, each ``ray start --block`` in its own session, torn down by process group."""
+
+    def __init__(self):
+        (self.gcs, self.dashboard, head_nm, head_om, client, head_agent, head_agent_grpc, head_metrics,
+         head_rtenv, nm, om, agent, agent_grpc, metrics, rtenv) = free_ports(15)
+        head_workers = free_port_range(100)
+        node_workers = free_port_range(100, avoid=head_workers)
+        self.temp_dir = short_tmpdir("bpc-")
+        # Token auth, as Ray 2.60 defaults to, with this cluster's own token: every node, driver and client of the
+        # cluster gets it from the environment (the worker node does not pick up ~/.ray/auth_token by itself).
+        self.env = {"RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                    # On SIGTERM a node drains until idle, for up to 30 s; the detached actors the train job leaves
+                    # (Ray Data's stats actor, ...) keep the head from ever going idle. Tear down at once instead.
+                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        self.url = f"http://127.0.0.1:{self.dashboard}"
+        common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=1", "--disable-usage-stats",
+                  f"--temp-dir={self.temp_dir}"]
+        self.head_cmd = [
+            RAY, "start", "--head", *common, f"--port={self.gcs}", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard}", f"--ray-client-server-port={client}",
+            f"--node-manager-port={head_nm}", f"--object-manager-port={head_om}",
+            f"--dashboard-agent-listen-port={head_agent}", f"--dashboard-agent-grpc-port={head_agent_grpc}",
+            f"--metrics-export-port={head_metrics}", f"--runtime-env-agent-port={head_rtenv}",
+            f"--min-worker-port={head_workers[0]}", f"--max-worker-port={head_workers[1]}"]
+        self.node_cmd = [
+            RAY, "start", f"--address=127.0.0.1:{self.gcs}", *common,
+            f"--node-manager-port={nm}", f"--object-manager-port={om}",
+            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rtenv}",
+            f"--min-worker-port={node_workers[0]}", f"--max-worker-port={node_workers[1]}"]
+        self.ports = {self.gcs, self.dashboard, head_nm, head_om, client, head_agent, head_agent_grpc, head_metrics,
+                      head_rtenv, nm, om, agent, agent_grpc, metrics, rtenv}
+        self.head = self.node = None
+        self.node_ids: list = []
+
+    def start(self) -> None:
+        started = "Ray runtime started"
+        self.head = Run(self.head_cmd, self.env)
+        self.head.wait_for(lambda: started in self.head.output, 120, "the head to start")
+        self.node = Run(self.node_cmd, self.env)
+        self.node.wait_for(lambda: started in self.node.output, 120, "the worker node to start")
+        # Both nodes registered with their GPU: ask the cluster itself, from a throwaway driver.
+        probe = (
+            "import json, time, ray\n"
+            f"ray.init(address='127.0.0.1:{self.gcs}', log_to_driver=False)\n"
+            "for _ in range(120):\n"
+            "    alive = [n for n in ray.nodes() if n['Alive']]\n"
+            "    if len(alive) == 2 and ray.cluster_resources().get('GPU', 0) == 2: break\n"
+            "    time.sleep(0.5)\n"
+            "print('NODES', json.dumps(sorted(n['NodeID'] for n in alive)))\n")
+        out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env=self.head_env())
+        line = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
+        assert out.returncode == 0 and line, out.stdout + out.stderr
+        self.node_ids = json.loads(line[0][6:])
+        # The job server answers (the dashboard comes up a little after the raylet).
+        deadline = time.monotonic() + 90
+        while True:
+            r = subprocess.run([RAY, "job", "list", "--address", self.url], capture_output=True, text=True,
+                               timeout=60, cwd=REPO, env=self.head_env())
+            if r.returncode == 0:
+                break
+            assert time.monotonic() < deadline, f"job server never answered:\n{r.stdout}{r.stderr}"
+            time.sleep(1)
+
+    def head_env(self):
+        return base_env(self.head.marker, **self.env)
+
+    def submit(self, script: str, *overrides: str, timeout: float = 300) -> Run:
+        """``ray job submit`` a jobs/ entrypoint with the venv python; waits for the job (its logs streamed)."""
+        cmd = [RAY, "job", "submit", "--address", self.url, "--working-dir", ".",
+               "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--", PYTHON, script, *overrides]
+        run = Run(cmd, self.env)
+        run.wait(timeout)
+        return run
+
+    def shutdown(self) -> dict:
+        """Kill the worker node's then the head's process group (SIGTERM, SIGKILL after 15 s); return whatever of
+        the cluster was still alive 20 s later (then killed by pid)."""
+        left = {}
+        for name, run in (("worker node", self.node), ("head", self.head)):
+            if run is not None:
+                t0 = time.monotonic()
+                kill_group(run.proc, grace=15)
+                print(f"[cluster] {name}: ray start exited {run.proc.returncode} {time.monotonic() - t0:.1f} s "
+                      f"after SIGTERM; left of it: {sorted(marked_pids(run.marker).values())}")
+        for run in (self.node, self.head):
+            if run is not None:
+                left.update(reap(run.marker))
+        self.node = self.head = None
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return left
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        if c.head is not None or c.node is not None:
+            c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cluster-run")
+
+
+def _ok(run: Run, what: str) -> None:
+    assert run.proc.returncode == 0, f"{what} exited {run.proc.returncode}:\n{run.tail(80)}"
+    assert "succeeded" in run.output.lower(), run.tail(80)
+
+
+def test_cluster_has_two_gpu_nodes_on_private_ports(cluster):
+    assert len(cluster.node_ids) == 2
+    assert not cluster.ports & RAY_DEFAULT_PORTS
+
+
+def test_prepare_job(cluster, run_dir):
+    run = cluster.submit("jobs/prepare.py", f"output_dir={run_dir}", *SMALL)
+    _ok(run, "prepare job")
+    assert (run_dir / "prompts" / "_SUCCESS").exists()
+
+
+def test_label_job_places_one_actor_per_node_gpu(cluster, run_dir):
+    run = cluster.submit("jobs/label.py", f"output_dir={run_dir}", *SMALL)
+    _ok(run, "label job")
+    labels = run_dir / "labels"
+    manifest = json.loads((labels / "manifest.json").read_text())
+    workers = manifest["workers"]
+    assert len(workers) == 2, workers
+    assert all(len(w["gpu_ids"]) == 1 for w in workers), workers
+    placements = {(w["node_id"], w["gpu_ids"][0]) for w in workers}
+    assert len(placements) == 2, workers  # distinct (node, GPU) pairs
+    assert len({w["node_id"] for w in workers}) == 2, workers  # one actor on each node
+    assert {w["node_id"] for w in workers} == set(cluster.node_ids)
+    assert manifest["rows"] == 16
+    v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "OK" in v.stdout.splitlines()[0]
+
+
+def test_train_job(cluster, run_dir):
+    run = cluster.submit("jobs/train.py", f"output_dir={run_dir}", *SMALL)
+    _ok(run, "train job")
+    train = run_dir / "train"
+    assert (train / "_SUCCESS").exists()
+    epochs = [json.loads(x)["epoch"] for x in (train / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1]
+    assert (train / "policy" / "model.safetensors").exists()
+
+
+def test_teardown_leaves_no_cluster_process(cluster):
+    pids = [cluster.head.proc.pid, cluster.node.proc.pid]
+    left = cluster.shutdown()
+    assert not left, f"still alive 20 s after killing the process groups {pids}: {left}"

@@ -1,6 +1,7 @@
 """Exact greedy replay (label.mode=replay) against exhaustive labelling, prompt by prompt (CPU, fp32)."""
 
 import pytest
+import torch
 
 from pipeline.engine import Engine
 from pipeline.labeling import candidate_block_sizes, label_prompt, replay_label_prompt
@@ -60,3 +61,22 @@ def test_replay_refuses_sampling():
     target, draft = make_pair(0)
     with pytest.raises(ValueError, match="temperature 0"):
         replay_label_prompt(Engine(target, draft), prompt(0), [3, 4, 5], 10, temperature=0.8)
+
+
+def test_replay_equals_exhaustive_on_the_tiny_pair():
+    """The shipped pair (fp32, CPU) on 52 held-out prompts: half stop at a newline token (stop-token clipping),
+    half run to max_new_tokens. With the 48 random-pair prompts above: 100 prompts in all."""
+    from pipeline.config import ModelConfig, load_config
+    from pipeline.models import load_models
+    from pipeline.sources import build_prompts
+
+    m = load_models(ModelConfig(dtype="float32", device="cpu"))
+    rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=52)
+    newline = m.tokenizer("\n", add_special_tokens=False)["input_ids"]
+    stats = {"prompts": 0, "accepting": 0, "max_new": 0, "stopped": 0, "distinct_labels": set()}
+    for i, row in enumerate(rows):
+        stops = m.stop_token_ids if i % 2 else m.stop_token_ids + newline[-1:]
+        ids = torch.tensor(row["input_ids"])[None]
+        _compare(Engine(m.target, m.draft, stops), ids, candidate_block_sizes(8, 2), 48, stats)
+    assert stats["prompts"] == 52 and stats["accepting"] > 20
+    assert stats["max_new"] >= 10 and stats["stopped"] >= 10

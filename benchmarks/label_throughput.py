@@ -6,8 +6,10 @@
 Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
   naive       the paper's method: each candidate decoded independently, each with its own prefill
   exhaustive  one shared prefill, then a full speculative decode per candidate (label.mode=exhaustive)
-  replay-seq  one target decode at B, draft-only replay per candidate, one draft forward per step
-  replay      one target decode at B, every draft proposal from a few batched forwards (label.mode=replay)
+  replay      one target decode at B, then every other candidate replayed with the draft alone, all candidates
+              in lockstep: one draft forward per round for every candidate's current start (label.mode=replay)
+  replay-seq  the same replay, one draft forward per start per candidate
+  replay-all  the same replay, proposals for every start x every candidate up front (the issue's stretch)
 
 The methods run round-robin prompt by prompt (this machine is noisy: whatever slows one slows all), and each
 method's labels (tau, steps, label) are compared with naive's. Ends with the line
@@ -67,8 +69,9 @@ def main(argv=None) -> int:
     methods = {
         "naive": lambda ids: naive(engine, ids, cands, args.max_new_tokens),
         "exhaustive": lambda ids: label_prompt(engine, ids, cands, args.max_new_tokens),
-        "replay-seq": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, batched=False),
-        "replay": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, batched=True),
+        "replay": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="lockstep"),
+        "replay-seq": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="sequential"),
+        "replay-all": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="all_starts"),
     }
     seconds = {k: 0.0 for k in methods}
     agree = {k: True for k in methods}

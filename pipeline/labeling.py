@@ -77,7 +77,7 @@ def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[i
 
 def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                        step_cost: Optional[Dict[int, float]] = None, batched: bool = True) -> PromptLabels:
+                        step_cost: Optional[Dict[int, float]] = None, proposer: str = "lockstep") -> PromptLabels:
     """Exact greedy replay (T = 0 only): one target decode at B, draft-only work for the other candidates
     (pipeline.replay). Same tau, steps and labels as :func:`label_prompt`."""
     from .replay import replay_candidates
@@ -88,7 +88,7 @@ def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Seq
     b_ref = engine.trained_block_size if engine.trained_block_size in candidates else max(candidates)
     if b_ref < 2:
         b_ref = engine.trained_block_size
-    per_b = replay_candidates(engine, state, candidates, max_new_tokens, batched=batched,
+    per_b = replay_candidates(engine, state, candidates, max_new_tokens, proposer=proposer,
                               reference_block_size=b_ref)
     return _labels(state, candidates, per_b, step_cost)
 

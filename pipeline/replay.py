@@ -9,13 +9,17 @@ target's context features along g are the same for every b. Only the draft's pro
    matching prefix against g; committed = accepted + 1, clipped at max_new_tokens and at a stop token exactly as
    the engine's loop clips; s += committed.
 
-Two ways to get the draft's proposals, same results:
+The draft's context keys/values are computed once per prompt (one forward over all context positions) and shared
+by every start and every candidate. Three ways to get the proposals, same results:
 
-* ``sequential``: one draft forward per visited start; the draft's context keys/values are computed once per
-  prompt (one forward over all context positions) and shared by every start and every candidate.
-* ``batched`` (default): the proposals at EVERY start position for EVERY candidate come from a few large draft
-  forwards, blocks laid side by side with a block attention mask (each block sees the context strictly before
-  its start and itself, as in DFlash training); the trajectories are then pointer chases through that table.
+* ``lockstep`` (default): all candidates walk together; each round ONE draft forward proposes for the current
+  start of every candidate still running, blocks side by side with a block attention mask (each block sees the
+  context strictly before its start and itself, as in DFlash training). About as many draft forwards as the
+  reference decode has steps, whatever the number of candidates.
+* ``sequential``: one draft forward per visited start per candidate.
+* ``all_starts`` (the issue's stretch): proposals at EVERY start for EVERY candidate from a few large forwards,
+  then pointer chases through that table. It computes ~tau times more proposals than are visited: a loss on a
+  CPU, a candidate on an accelerator where batch-1 forwards are launch-bound.
 
 Exactness against the engine is tested (tests/test_replay.py); the arithmetic is the same, only the shapes of the
 matrix products differ, so a draft argmax that is an exact float tie could in principle resolve differently.
@@ -32,35 +36,60 @@ from dflash.model import _draft_value, _make_cache, _output_head, _raw_input_emb
 Propose = Callable[[int, int], Sequence[int]]
 
 
-def walk(g: Sequence[int], n: int, max_length: int, b: int, propose: Propose, stop_ids: Sequence[int]) -> List[int]:
-    """Tokens committed per step at block size b along the greedy sequence g (prompt included, len(g) > n).
+def step(g: Sequence[int], s: int, max_length: int, b: int, proposal: Optional[Sequence[int]],
+         stops: set) -> tuple:
+    """One verify step at start s: (tokens committed, stopped). Mirrors Engine._decode's bookkeeping:
+    verify_size = min(b, max_length - s); produced = min(accepted + 1, max_length - s - 1), cut at the first stop
+    token among the committed tokens."""
+    vs = min(b, max_length - s)
+    accepted = 0
+    if vs > 1:
+        for j in range(vs - 1):
+            pos = s + 1 + j
+            # Past the end of g only after a stop token, where the step is cut at the stop anyway.
+            if pos >= len(g) or int(proposal[j]) != g[pos]:
+                break
+            accepted += 1
+    produced = min(accepted + 1, max_length - s - 1)
+    for j in range(1, produced + 1):
+        if s + j < len(g) and g[s + j] in stops:
+            return j, True
+    return produced, False
 
-    Mirrors Engine._decode's bookkeeping: verify_size = min(b, max_length - s); produced = min(accepted + 1,
-    max_length - s - 1), cut at the first stop token among the committed tokens.
-    """
+
+def walk(g: Sequence[int], n: int, max_length: int, b: int, propose: Propose, stop_ids: Sequence[int]) -> List[int]:
+    """Tokens committed per step at block size b along the greedy sequence g (prompt included, len(g) > n)."""
     stops = set(stop_ids or ())
     committed: List[int] = []
     s = n
     stopped = g[n] in stops
     while s + 1 < max_length and not stopped:
         vs = min(b, max_length - s)
-        accepted = 0
-        if vs > 1:
-            proposal = propose(s, vs)
-            for j in range(vs - 1):
-                pos = s + 1 + j
-                # Past the end of g only after a stop token, where the step is cut at the stop anyway.
-                if pos >= len(g) or int(proposal[j]) != g[pos]:
-                    break
-                accepted += 1
-        produced = min(accepted + 1, max_length - s - 1)
-        for j in range(1, produced + 1):
-            if s + j < len(g) and g[s + j] in stops:
-                produced, stopped = j, True
-                break
+        produced, stopped = step(g, s, max_length, b, propose(s, vs) if vs > 1 else None, stops)
         s += produced
         committed.append(produced)
     return committed
+
+
+def lockstep_walks(g: Sequence[int], n: int, max_length: int, block_sizes: Sequence[int], propose_many,
+                   stop_ids: Sequence[int]) -> Dict[int, List[int]]:
+    """Every candidate's walk at once: each round, ONE draft call proposes for the current start of every
+    candidate still running (``propose_many([(b, s, vs), ...]) -> [tokens, ...]``)."""
+    stops = set(stop_ids or ())
+    start = {b: n for b in block_sizes}
+    done = {b: g[n] in stops for b in block_sizes}
+    committed: Dict[int, List[int]] = {b: [] for b in block_sizes}
+    while True:
+        live = [b for b in block_sizes if not done[b] and start[b] + 1 < max_length]
+        if not live:
+            return committed
+        blocks = [(b, start[b], min(b, max_length - start[b])) for b in live]
+        drafted = [blk for blk in blocks if blk[2] > 1]
+        proposals = dict(zip([blk[0] for blk in drafted], propose_many(drafted) if drafted else []))
+        for b, s, _ in blocks:
+            produced, done[b] = step(g, s, max_length, b, proposals.get(b), stops)
+            start[b] += produced
+            committed[b].append(produced)
 
 
 class _DraftRunner:
@@ -114,6 +143,45 @@ class SequentialProposer(_DraftRunner):
             position_ids=torch.arange(s, s + vs, device=self.device)[None], past_key_values=cache, use_cache=True,
         )[:, 1 - vs:, :]
         return self._argmax(hidden)[0].tolist()
+
+
+class LockstepProposer(SequentialProposer):
+    """Blocks at several starts in ONE draft forward: the shared context K/V up to the furthest start sit in
+    the cache, each block sees the context strictly before its own start and itself (block attention mask)."""
+
+    @torch.inference_mode()
+    def propose_many(self, blocks) -> List[List[int]]:
+        from transformers import DynamicCache
+
+        self.calls += 1
+        dev = self.device
+        ctx_len = max(s for _, s, _ in blocks)
+        sizes = [vs for _, _, vs in blocks]
+        q = sum(sizes)
+        mask = torch.zeros((q, ctx_len + q), dtype=torch.bool, device=dev)
+        positions, off = [], 0
+        for (_, s, vs) in blocks:
+            mask[off:off + vs, :s] = True
+            mask[off:off + vs, ctx_len + off:ctx_len + off + vs] = True
+            positions.append(torch.arange(s, s + vs, device=dev))
+            off += vs
+        cache = DynamicCache(config=self.draft.config)
+        for i, (k, v) in enumerate(self.kv):
+            cache.update(k[:, :, :ctx_len], v[:, :, :ctx_len], i)
+        hidden = self.draft(
+            target_hidden=self.context[:, :0], noise_embedding=_raw_input_embeddings(
+                self.target, self._block_tokens([(s, vs) for _, s, vs in blocks]), self.scale),
+            position_ids=torch.cat(positions)[None], attention_mask=mask[None, None], past_key_values=cache,
+            use_cache=True,
+        )
+        keep = torch.ones(q, dtype=torch.bool, device=dev)
+        keep[torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)] = False
+        tokens = self._argmax(hidden[:, keep])[0].tolist()
+        out, off = [], 0
+        for vs in sizes:
+            out.append(tokens[off:off + vs - 1])
+            off += vs - 1
+        return out
 
 
 class BatchedProposer(_DraftRunner):
@@ -171,9 +239,19 @@ class BatchedProposer(_DraftRunner):
         return lambda s, vs: self.table[(b, s)]
 
 
-def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: int, batched: bool = True,
+PROPOSERS = ("lockstep", "sequential", "all_starts")
+
+
+def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: int, proposer: str = "lockstep",
                       reference_block_size: Optional[int] = None) -> Dict[int, dict]:
-    """{b: {"committed", "new_tokens", "seconds"}} for every candidate, from one target decode at b_ref."""
+    """{b: {"committed", "new_tokens", "seconds"}} for every candidate, from one target decode at b_ref.
+
+    proposer: ``lockstep`` (default; one draft forward per round for all candidates' current starts),
+    ``sequential`` (one draft forward per start per candidate) or ``all_starts`` (every start x every candidate
+    up front, then pointer chasing; compute-heavy, suited to accelerators rather than CPUs).
+    """
+    if proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {PROPOSERS}, got {proposer!r}")
     b_ref = reference_block_size or engine.trained_block_size
     if b_ref < 2:
         raise ValueError("replay needs a reference decode at a block size >= 2")
@@ -185,19 +263,17 @@ def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: 
     out = {b_ref: {"committed": ref.committed, "new_tokens": ref.new_tokens, "seconds": ref.decode_seconds}}
     others = [b for b in candidates if b != b_ref]
     t0 = time.perf_counter()
-    if batched:
-        proposer = BatchedProposer(engine.draft, engine.target, g_t, ref.context, n, max_length, others)
-        shared = time.perf_counter() - t0
-        for b in others:
-            t1 = time.perf_counter()
-            committed = walk(g, n, max_length, b, proposer.for_block_size(b), engine.stop_token_ids)
-            # The batched forwards serve every candidate at once: each is charged an equal share.
-            out[b] = {"committed": committed, "new_tokens": ref.new_tokens,
-                      "seconds": shared / max(1, len(others)) + time.perf_counter() - t1}
+    if proposer == "lockstep":
+        runner = LockstepProposer(engine.draft, engine.target, g_t, ref.context)
+        walks = lockstep_walks(g, n, max_length, others, runner.propose_many, engine.stop_token_ids)
+    elif proposer == "sequential":
+        runner = SequentialProposer(engine.draft, engine.target, g_t, ref.context)
+        walks = {b: walk(g, n, max_length, b, runner, engine.stop_token_ids) for b in others}
     else:
-        proposer = SequentialProposer(engine.draft, engine.target, g_t, ref.context)
-        for b in others:
-            t1 = time.perf_counter()
-            committed = walk(g, n, max_length, b, proposer, engine.stop_token_ids)
-            out[b] = {"committed": committed, "new_tokens": ref.new_tokens, "seconds": time.perf_counter() - t1}
+        table = BatchedProposer(engine.draft, engine.target, g_t, ref.context, n, max_length, others)
+        walks = {b: walk(g, n, max_length, b, table.for_block_size(b), engine.stop_token_ids) for b in others}
+    # The draft work is shared by the candidates: each is charged an equal share of it.
+    share = (time.perf_counter() - t0) / max(1, len(others))
+    for b in others:
+        out[b] = {"committed": walks[b], "new_tokens": ref.new_tokens, "seconds": share}
     return out

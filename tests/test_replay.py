@@ -5,7 +5,7 @@ import torch
 
 from pipeline.engine import Engine
 from pipeline.labeling import candidate_block_sizes, label_prompt, replay_label_prompt
-from pipeline.replay import walk
+from pipeline.replay import PROPOSERS, walk
 from random_pair import EOS_ID, make_pair, prompt
 
 MAX_NEW = 24
@@ -13,9 +13,9 @@ MAX_NEW = 24
 
 def _compare(engine, ids, candidates, max_new, stats):
     ref = label_prompt(engine, ids, candidates, max_new)
-    for batched in (True, False):
-        rep = replay_label_prompt(engine, ids, candidates, max_new, batched=batched)
-        assert rep.tau == ref.tau, f"tau differs (batched={batched})"
+    for proposer in PROPOSERS:
+        rep = replay_label_prompt(engine, ids, candidates, max_new, proposer=proposer)
+        assert rep.tau == ref.tau, f"tau differs ({proposer})"
         assert rep.steps == ref.steps and rep.new_tokens == ref.new_tokens
         assert rep.label_index == ref.label_index and rep.label_block_size == ref.label_block_size
     stats["prompts"] += 1

@@ -92,6 +92,32 @@ def lockstep_walks(g: Sequence[int], n: int, max_length: int, block_sizes: Seque
             committed[b].append(produced)
 
 
+def _block_layout(blocks, ctx_len: int, device):
+    """Blocks [(b, s, vs), ...] laid side by side after ctx_len context keys: the boolean attention mask
+    [Q, ctx_len + Q] (a block sees the context strictly before its start, and itself), the blocks' position ids,
+    and which of the Q rows are proposals (every row but each block's first)."""
+    sizes = [vs for _, _, vs in blocks]
+    q = sum(sizes)
+    mask = torch.zeros((q, ctx_len + q), dtype=torch.bool, device=device)
+    positions, off = [], 0
+    for (_, s, vs) in blocks:
+        mask[off:off + vs, :s] = True
+        mask[off:off + vs, ctx_len + off:ctx_len + off + vs] = True
+        positions.append(torch.arange(s, s + vs, device=device))
+        off += vs
+    keep = torch.ones(q, dtype=torch.bool, device=device)
+    keep[torch.tensor([0] + sizes[:-1], device=device).cumsum(0)] = False
+    return mask[None, None], torch.cat(positions), keep
+
+
+def _split_proposals(tokens: List[int], blocks) -> List[List[int]]:
+    out, off = [], 0
+    for (_, _, vs) in blocks:
+        out.append(tokens[off:off + vs - 1])
+        off += vs - 1
+    return out
+
+
 class _DraftRunner:
     """The draft's proposals along one greedy sequence; ``context`` = target features of positions [0, N)."""
 
@@ -154,34 +180,17 @@ class LockstepProposer(SequentialProposer):
         from transformers import DynamicCache
 
         self.calls += 1
-        dev = self.device
         ctx_len = max(s for _, s, _ in blocks)
-        sizes = [vs for _, _, vs in blocks]
-        q = sum(sizes)
-        mask = torch.zeros((q, ctx_len + q), dtype=torch.bool, device=dev)
-        positions, off = [], 0
-        for (_, s, vs) in blocks:
-            mask[off:off + vs, :s] = True
-            mask[off:off + vs, ctx_len + off:ctx_len + off + vs] = True
-            positions.append(torch.arange(s, s + vs, device=dev))
-            off += vs
+        mask, positions, keep = _block_layout(blocks, ctx_len, self.device)
         cache = DynamicCache(config=self.draft.config)
         for i, (k, v) in enumerate(self.kv):
             cache.update(k[:, :, :ctx_len], v[:, :, :ctx_len], i)
         hidden = self.draft(
             target_hidden=self.context[:, :0], noise_embedding=_raw_input_embeddings(
                 self.target, self._block_tokens([(s, vs) for _, s, vs in blocks]), self.scale),
-            position_ids=torch.cat(positions)[None], attention_mask=mask[None, None], past_key_values=cache,
-            use_cache=True,
+            position_ids=positions[None], attention_mask=mask, past_key_values=cache, use_cache=True,
         )
-        keep = torch.ones(q, dtype=torch.bool, device=dev)
-        keep[torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)] = False
-        tokens = self._argmax(hidden[:, keep])[0].tolist()
-        out, off = [], 0
-        for vs in sizes:
-            out.append(tokens[off:off + vs - 1])
-            off += vs - 1
-        return out
+        return _split_proposals(self._argmax(hidden[:, keep])[0].tolist(), blocks)
 
 
 class BatchedProposer(_DraftRunner):
@@ -207,33 +216,17 @@ class BatchedProposer(_DraftRunner):
     @torch.inference_mode()
     def _run(self, chunk) -> None:
         self.forwards += 1
-        dev = self.device
         ctx_len = max(s for _, s, _ in chunk)  # no block sees context at or beyond its start
-        sizes = [vs for _, _, vs in chunk]
-        q = sum(sizes)
-        mask = torch.zeros((q, ctx_len + q), dtype=torch.bool, device=dev)
-        positions = []
-        off = 0
-        for (_, s, vs) in chunk:
-            mask[off:off + vs, :s] = True
-            mask[off:off + vs, ctx_len + off:ctx_len + off + vs] = True
-            positions.append(torch.arange(s, s + vs, device=dev))
-            off += vs
+        mask, positions, keep = _block_layout(chunk, ctx_len, self.device)
         noise = _raw_input_embeddings(self.target, self._block_tokens([(s, vs) for _, s, vs in chunk]), self.scale)
         hidden = self.draft(
             target_hidden=self.context[:, :ctx_len], noise_embedding=noise,
-            position_ids=torch.cat([torch.arange(ctx_len, device=dev), *positions])[None],
-            attention_mask=mask[None, None], use_cache=False,
+            position_ids=torch.cat([torch.arange(ctx_len, device=self.device), positions])[None],
+            attention_mask=mask, use_cache=False,
         )
-        # Rows 1 .. vs-1 of each block are its proposals.
-        keep = torch.ones(q, dtype=torch.bool, device=dev)
-        starts = torch.tensor([0] + sizes[:-1], device=dev).cumsum(0)
-        keep[starts] = False
-        tokens = self._argmax(hidden[:, keep])[0].tolist()
-        off = 0
-        for (b, s, vs) in chunk:
-            self.table[(b, s)] = tokens[off:off + vs - 1]
-            off += vs - 1
+        tokens = _split_proposals(self._argmax(hidden[:, keep])[0].tolist(), chunk)
+        for (b, s, _), toks in zip(chunk, tokens):
+            self.table[(b, s)] = toks
 
     def for_block_size(self, b: int) -> Propose:
         return lambda s, vs: self.table[(b, s)]

@@ -284,7 +284,9 @@ class _Counter:
         return n
 
 
-def _read_jsonl(path: Path, rows: _Counter) -> Iterator[Any]:
+def _decoded_lines(path: Path, rows: _Counter) -> Iterator[Any]:
+    """Non-blank lines of a line-oriented file, decoded one by one so a bad line rejects only itself: yields
+    (row, where, text) or a Reject (NUL byte, invalid UTF-8). Strips a leading BOM and CR/LF endings."""
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             line = raw.rstrip(b"\r\n")
@@ -298,20 +300,27 @@ def _read_jsonl(path: Path, rows: _Counter) -> Iterator[Any]:
                 yield Reject("nul_bytes", f"{where}: NUL byte in the line", row, str(path))
                 continue
             try:
-                decoded = line.decode("utf-8")
+                yield row, where, line.decode("utf-8")
             except UnicodeDecodeError as err:
                 yield Reject("undecodable", f"{where}: invalid UTF-8 at byte {err.start}", row, str(path))
-                continue
-            try:
-                obj = json.loads(decoded)
-            except json.JSONDecodeError as err:
-                yield Reject("malformed_json", f"{where}: {err.msg} at column {err.colno}", row, str(path))
-                continue
-            if not isinstance(obj, dict):
-                yield Reject("wrong_type", f"{where}: line is a JSON {_type_name(obj)}, not an object", row,
-                             str(path))
-                continue
-            yield Record(row, obj, str(path))
+
+
+def _read_jsonl(path: Path, rows: _Counter) -> Iterator[Any]:
+    for item in _decoded_lines(path, rows):
+        if isinstance(item, Reject):
+            yield item
+            continue
+        row, where, decoded = item
+        try:
+            obj = json.loads(decoded)
+        except json.JSONDecodeError as err:
+            yield Reject("malformed_json", f"{where}: {err.msg} at column {err.colno}", row, str(path))
+            continue
+        if not isinstance(obj, dict):
+            yield Reject("wrong_type", f"{where}: line is a JSON {_type_name(obj)}, not an object", row,
+                         str(path))
+            continue
+        yield Record(row, obj, str(path))
 
 
 def _read_json(path: Path, rows: _Counter) -> Iterator[Any]:
@@ -353,22 +362,8 @@ def _read_parquet(path: Path, rows: _Counter) -> Iterator[Any]:
 
 
 def _read_text_lines(path: Path, rows: _Counter) -> Iterator[Any]:
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            line = raw.rstrip(b"\r\n")
-            if lineno == 1 and line.startswith(BOM):
-                line = line[len(BOM):]
-            if not line.strip():
-                continue
-            where = f"{path.name}:{lineno}"
-            row = rows.next()
-            if NUL in line:
-                yield Reject("nul_bytes", f"{where}: NUL byte in the line", row, str(path))
-                continue
-            try:
-                yield Record(row, {"text": line.decode("utf-8")}, str(path))
-            except UnicodeDecodeError as err:
-                yield Reject("undecodable", f"{where}: invalid UTF-8 at byte {err.start}", row, str(path))
+    for item in _decoded_lines(path, rows):
+        yield item if isinstance(item, Reject) else Record(item[0], {"text": item[2]}, str(path))
 
 
 def _read_text_file(path: Path, rows: _Counter) -> Iterator[Any]:

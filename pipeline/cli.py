@@ -33,18 +33,17 @@ def _stage_help(name: str) -> str:
 
     info = STAGES[name]
     text = f"{info.summary}\n"
-    if info.sections:
-        try:
-            cfg = load_config()
-        except ConfigError as err:  # help must still print with a broken conf/default.yaml
-            return text + f"\n(default config does not load: {err})"
-        from omegaconf import OmegaConf
+    try:
+        cfg = load_config()
+    except ConfigError as err:  # help must still print with a broken conf/default.yaml
+        return text + f"\n(default config does not load: {err})"
+    from omegaconf import OmegaConf
 
-        node = OmegaConf.structured(cfg)
-        shown = {k: OmegaConf.to_container(node[k]) for k in info.sections}
-        text += ("\nkeys it reads (defaults from conf/default.yaml; override with key=value):\n"
-                 f"output_dir: {cfg.output_dir}\n" + OmegaConf.to_yaml(shown))
-    return text
+    node = OmegaConf.structured(cfg)
+    shown = {k: OmegaConf.to_container(node[k]) if OmegaConf.is_config(node[k]) else node[k]
+             for k in ("output_dir", "force", "progress", *info.sections)}
+    return text + ("\nkeys it reads (defaults from conf/default.yaml; override with key=value):\n"
+                   + OmegaConf.to_yaml(shown))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -85,6 +85,8 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
     "step_cost_seconds": "{b: seconds per decode step (draft + verify)} measured by the worker at start-up.",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
+    "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
+    "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
 }
 
 
@@ -127,8 +129,9 @@ def labels_card(extra: str = "") -> str:
 One row per accepted prompt: the target's raw last-position prefill logits and the acceptance length tau measured
 by really decoding at every candidate block size b in {{B-k .. B+k}}, with the best b as the label.
 `part-NNNNN.parquet` is made from prompt shard `part-NNNNN.parquet`; prompts that failed while decoding are in
-`rejects.jsonl` (`prompt_id`, `source`, `reason`, `detail`). `manifest.json` lists every file with its rows and
-sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it.
+`rejects.jsonl` (`prompt_id`, `source`, `reason`, `detail`, `worker`). `manifest.json` lists every file with its
+rows and sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it. The folder layout,
+the manifest's keys and the rejects layout are at the end of this card.
 
 Read it with `polars.scan_parquet("DIR/part-*.parquet")` (`logits` is an `Array(Float16, V)` column),
 `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, or

@@ -1,8 +1,8 @@
 """Shard-folder mechanics shared by every stage (datatrove style).
 
 A stage folder holds rank-named shards ``part-00000.parquet`` ..., each written under a temporary name and renamed
-atomically, a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. A rerun skips what
-is complete, and a folder made with a different config is refused unless ``force`` is set.
+atomically, a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. These are the
+primitives; :mod:`pipeline.driver` is the one place that writes manifests, reject files and ``_SUCCESS``.
 """
 
 from __future__ import annotations
@@ -92,26 +92,6 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / SUCCESS).exists()
 
 
-def mark_complete(folder: Path) -> None:
-    write_text_atomic("", Path(folder) / SUCCESS)
-
-
-def clear_complete(folder: Path) -> None:
-    (Path(folder) / SUCCESS).unlink(missing_ok=True)
-
-
-def ensure_writable(folder: Path) -> None:
-    """Fail before any work when the stage folder cannot be created or written."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-probe-{uuid.uuid4().hex[:8]}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise PermissionError(f"output folder {folder} is not writable: {err.strerror or err}") from None
-
-
 def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
                       has_output: Optional[bool] = None) -> bool:
     """Refuse to mix outputs of different configs in one folder.
@@ -123,7 +103,7 @@ def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
     folder = Path(folder)
     path = folder / FINGERPRINT
     previous = json.loads(path.read_text()) if path.exists() else None
-    normalised = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+    normalised = normalise(fingerprint)
     # A folder with no output yet (a first run that failed before writing any shard) binds nothing.
     if has_output is None:
         has_output = bool(list_shards(folder)) or is_complete(folder)
@@ -138,8 +118,13 @@ def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
     return previous is not None and previous != normalised and has_output
 
 
+def normalise(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
+    """The one JSON form of a fingerprint: what fingerprint.json holds and what its sha256 is taken of."""
+    return json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+
+
 def fingerprint_sha256(fingerprint: Dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(normalise(fingerprint), sort_keys=True).encode()).hexdigest()
 
 
 def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,

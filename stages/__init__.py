@@ -14,7 +14,9 @@ from typing import Callable, Tuple
 class StageInfo:
     name: str
     summary: str
-    sections: Tuple[str, ...]  # config sections the stage reads (shown by `blockpilot STAGE --help`)
+    # Config sections the stage reads, itself or through the stage modules it uses (shown by `blockpilot STAGE
+    # --help`; tests/test_config_cli.py checks them against the stage modules' source).
+    sections: Tuple[str, ...]
     module: str
 
     def load(self) -> Callable:
@@ -39,7 +41,8 @@ STAGES = {
                   "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
                   "stages.train"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
-                  "on held-out prompt sets (output_dir/eval/)", ("model", "decode", "evaluate", "workers", "ray"),
+                  "on held-out prompt sets (output_dir/eval/)",
+                  ("model", "decode", "prepare", "evaluate", "workers", "ray"),
                   "stages.evaluate"),
         StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
                   "stages.report"),

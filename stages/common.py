@@ -1,14 +1,15 @@
-"""What the Ray stages share: joining or starting Ray, worker placement, progress lines."""
+"""What the Ray stages share: joining or starting Ray, worker placement, and the Ray actor-pool executor of the
+stage driver (:mod:`pipeline.driver`)."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 from pipeline.config import RayConfig
+from pipeline.driver import Done, Execution, ShardStage, ShardTask, Worker, run_stage, run_task
 
 
 def init_ray(cfg: RayConfig):
@@ -66,89 +67,82 @@ def worker_identity() -> str:
     return f"{node}/cpu-{actor[:8]}" if actor else f"{node}/cpu"
 
 
-class Progress:
-    """Periodic one-line progress: done/total, rate, ETA."""
+class StageActor:
+    """One pool actor: the stage object shipped once, ``setup`` once (models loaded), then shard after shard."""
 
-    def __init__(self, name: str, total: int, unit: str = "prompts", every: float = 5.0, enabled: bool = True):
-        self.name, self.total, self.unit, self.every, self.enabled = name, total, unit, every, enabled
-        self.done = 0
-        self.t0 = self._last = time.monotonic()
+    def __init__(self, stage: ShardStage, threads: int):
+        self.stage = stage
+        self.worker = Worker(worker_identity(), threads)
+        stage.setup(self.worker)
 
-    def update(self, n: int, extra: str = "", force: bool = False) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (force or now - self._last >= self.every or self.done >= self.total):
-            self._last = now
-            rate = self.done / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            eta_s = f"{eta:,.0f}s" if eta != float("inf") else "?"
-            print(f"[{self.name}] {self.done}/{self.total} {self.unit} ({rate:.2f}/s, ETA {eta_s}) {extra}".rstrip(),
-                  flush=True)
+    def info(self) -> Dict[str, Any]:
+        import ray
 
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.t0
+        return {"identity": self.worker.identity, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], **self.stage.worker_info()}
+
+    def process(self, task: ShardTask) -> Dict[str, Any]:
+        return run_task(self.stage, task, self.worker)
 
 
-@dataclass
-class ShardTask:
-    name: str  # shown in progress lines and failure lists
-    args: Tuple[Any, ...]  # passed to the actor method
-    rows: int  # for progress
+class RayActorPool:
+    """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
+    models once. A killed actor is restarted and its in-flight shard retried (``resources().max_retries``); an
+    actor that is gone for good is dropped and its shard listed as failed, and the others carry on."""
+
+    def __init__(self, ray_cfg: RayConfig):
+        self.ray_cfg = ray_cfg
+
+    def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:
+        ray = init_ray(self.ray_cfg)
+        from ray.exceptions import RayActorError, RayTaskError
+
+        res = stage.resources()
+        place = plan_workers(res.num_workers, res.cpus_per_worker)
+        actor_cls = ray.remote(StageActor).options(
+            num_gpus=place.num_gpus, num_cpus=place.num_cpus,
+            max_restarts=res.max_retries, max_task_retries=res.max_retries)
+        threads = max(1, int(place.num_cpus))
+        actors = [actor_cls.remote(stage, threads) for _ in range(min(place.num_workers, len(tasks)))]
+        infos = ray.get([a.info.remote() for a in actors])
+        for info in infos:
+            shown = " ".join(f"{k}={json.dumps(v)}" for k, v in info.items()
+                             if k not in ("identity", "pid", "node_id", "gpu_ids"))
+            print(f"[{stage.name}] worker {info['identity']} pid={info['pid']} {shown}", flush=True)
+        queue = list(tasks)
+        inflight = {}
+        failures: List[str] = []
+
+        def submit(actor):
+            task = queue.pop(0)
+            inflight[actor.process.remote(task)] = (actor, task)
+
+        for a in actors:
+            if queue:
+                submit(a)
+        while inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            actor, task = inflight.pop(ready[0])
+            try:
+                done(task, ray.get(ready[0]), None)
+            except (RayActorError, RayTaskError) as err:
+                error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                failures.append(f"{task.name}: {error}")
+                done(task, None, error)
+                if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
+                    actor = None
+            if queue and actor is not None:
+                submit(actor)
+            if not inflight and queue:  # every actor is gone: what is left fails, a rerun picks it up
+                failures.extend(f"{t.name}: no worker left" for t in queue)
+                queue.clear()
+        for a in actors:
+            ray.kill(a)
+        return Execution(infos, failures)
 
 
-def run_shard_actors(cfg, worker_cls, init_args: Sequence[Any], method: str, tasks: List[ShardTask],
-                     num_workers: Optional[int], stage: str):
-    """Run ``worker_cls(*init_args, threads).method(*task.args)`` for every task on a pool of decoding actors.
-
-    One actor per GPU (or CPU actors), each loading its models once. A killed actor is restarted and its in-flight
-    task retried (``workers.max_retries``); an actor that is gone for good is dropped and its task listed as
-    failed, and the others carry on. Returns (actor infos, failed task names).
-    """
-    ray = init_ray(cfg.ray)
-    from ray.exceptions import RayActorError, RayTaskError
-
-    place = plan_workers(num_workers, cfg.workers.cpus_per_worker)
-    n_workers = min(place.num_workers, len(tasks))
-    actor_cls = ray.remote(worker_cls).options(
-        num_gpus=place.num_gpus, num_cpus=place.num_cpus,
-        max_restarts=cfg.workers.max_retries, max_task_retries=cfg.workers.max_retries)
-    threads = max(1, int(place.num_cpus))
-    actors = [actor_cls.remote(*init_args, threads) for _ in range(n_workers)]
-    infos = ray.get([a.info.remote() for a in actors])
-    for info in infos:
-        print(f"[{stage}] worker {info['identity']} pid={info['pid']} device={info['device']} "
-              f"step cost (s) {json.dumps(info.get('step_cost_seconds', {}))}", flush=True)
-    progress = Progress(stage, sum(t.rows for t in tasks), enabled=cfg.progress, every=0)
-    queue = list(tasks)
-    inflight = {}
-    failures: List[str] = []
-
-    def submit(actor):
-        task = queue.pop(0)
-        inflight[getattr(actor, method).remote(*task.args)] = (actor, task)
-
-    for a in actors:
-        if queue:
-            submit(a)
-    while inflight:
-        done, _ = ray.wait(list(inflight), num_returns=1)
-        actor, task = inflight.pop(done[0])
-        try:
-            res = ray.get(done[0])
-            progress.update(task.rows, f"{task.name} rows={res.get('rows')} rejects={res.get('rejects')} "
-                                       f"by {res.get('worker')}")
-        except (RayActorError, RayTaskError) as err:
-            failures.append(task.name)
-            print(f"[{stage}] {task.name} failed: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
-            progress.update(task.rows, f"{task.name} FAILED")
-            if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
-                actor = None
-        if queue and actor is not None:
-            submit(actor)
-        if not inflight and queue:  # every actor is gone: what is left fails, a rerun picks it up
-            failures.extend(t.name for t in queue)
-            queue.clear()
-    for a in actors:
-        ray.kill(a)
-    return infos, failures
+def execute(stage: ShardStage):
+    """run_stage with the executor the stage's resources ask for."""
+    executor = RayActorPool(stage.cfg.ray) if stage.resources().actors else None
+    return run_stage(stage, executor)

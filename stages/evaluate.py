@@ -1,9 +1,9 @@
 """evaluate: adaptive decoding with the policy vs autoregressive, every fixed block size, and the oracle.
 
-The driver builds the held-out prompt sets (``evaluate.sources``, read exactly as ``prepare`` reads sources) into
-``eval/prompts/part-NNNNN.parquet``; decoding actors (placed as in ``label``) turn each prompt shard into a result
-shard ``eval/results/part-NNNNN.parquet`` with one row per prompt x method (resumable shard by shard); the driver
-then writes ``eval/results.parquet`` and the summary tables ``eval/summary.md`` / ``eval/summary.csv``.
+The held-out prompt sets (``evaluate.sources``) are built by prepare's own stage into ``eval/prompts/``; decoding
+actors (placed as in ``label``) turn each prompt shard into a result shard ``eval/part-NNNNN.parquet`` with one row
+per prompt x method (resumable shard by shard, through :mod:`pipeline.driver`); at the end the driver writes
+``eval/results.parquet`` (every shard's rows) and the summary tables ``eval/summary.md`` / ``eval/summary.csv``.
 
 Methods per prompt, all from one shared prefill:
 * ``AR``: b = 1, plain autoregressive decoding (the speedup reference);
@@ -20,42 +20,40 @@ benchmark computes it). Time per output token = decode seconds / new tokens (the
 from __future__ import annotations
 
 import json
-import time
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineConfig, write_resolved
-from pipeline.dataset import PROMPTS_SCHEMA, encode_metadata
-from pipeline.shards import (
-    MANIFEST,
-    check_fingerprint,
-    clear_complete,
-    ensure_writable,
-    fingerprint_sha256,
-    is_complete,
-    list_shards,
-    mark_complete,
-    output_shard_valid,
-    read_jsonl,
-    shard_name,
-    write_json_atomic,
-    write_jsonl_atomic,
-    write_parquet_atomic,
-    write_text_atomic,
-)
+from pipeline.config import PipelineConfig
+from pipeline.dataset import encode_metadata
+from pipeline.driver import Rejects, Worker, require_complete
+from pipeline.shards import MANIFEST, file_sha256, list_shards, write_parquet_atomic, write_text_atomic
 
-from .common import ShardTask, run_shard_actors, worker_identity
+from .common import execute
+from .decoding import DecodingStage
+from .prepare import PrepareStage
 
 RESULT_COLUMNS = [
-    ("prompt_id", pa.string()), ("source", pa.string()), ("method", pa.string()), ("kind", pa.string()),
-    ("block_size", pa.int16()), ("tau", pa.float32()), ("steps", pa.int32()), ("new_tokens", pa.int32()),
-    ("decode_seconds", pa.float32()), ("time_per_output_token", pa.float32()), ("prefill_seconds", pa.float32()),
-    ("policy_seconds", pa.float32()), ("matches_autoregressive", pa.bool_()), ("worker", pa.string()),
+    ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
+    ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
+    ("method", pa.string(), "AR, b=N, adaptive or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive or oracle."),
+    ("block_size", pa.int16(), "The block size decoded with (the policy's or the oracle's choice; 1 for AR)."),
+    ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
+    ("steps", pa.int32(), "Verify steps."),
+    ("new_tokens", pa.int32(), "Tokens generated."),
+    ("decode_seconds", pa.float32(), "Wall seconds of the decode (prefill excluded)."),
+    ("time_per_output_token", pa.float32(), "decode_seconds / new_tokens."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
+    ("policy_seconds", pa.float32(), "The policy MLP's latency (adaptive rows only)."),
+    ("matches_autoregressive", pa.bool_(), "Output ids equal AR's (always true at T = 0: decoding is lossless)."),
+    ("worker", pa.string(), "Which worker decoded the prompt."),
 ]
-RESULTS_SCHEMA = pa.schema(RESULT_COLUMNS)
+RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
+POLICY_FILES = ("policy.json", "model.safetensors")
 
 
 def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
@@ -64,34 +62,75 @@ def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
     return sorted(scaled | set(candidates))
 
 
-class EvalWorker:
-    """Loads target, draft and policy once; evaluates whole prompt shards. Wrapped with ray.remote by the driver."""
+def prompt_sets(cfg: PipelineConfig) -> PrepareStage:
+    """The held-out prompt sets, built by prepare's own stage (same cleaning, chat template and fingerprint) into
+    ``eval/prompts/``."""
+    return PrepareStage(cfg, Path(cfg.output_dir) / "eval" / "prompts", cfg.evaluate.sources, cfg.evaluate.limit,
+                        section="evaluate")
 
-    def __init__(self, cfg: PipelineConfig, policy_dir: str, fixed: List[int], meta: Dict[str, Any], threads: int = 1):
-        import torch
 
+def methods_for(fixed: List[int]) -> List[str]:
+    return ["AR", *[f"b={b}" for b in fixed], "adaptive", "oracle"]
+
+
+class EvaluateStage(DecodingStage):
+    """eval/prompts/part-N -> eval/part-N: one row per prompt x method."""
+
+    name = "evaluate"
+    extra_outputs = ("results.parquet", "summary.md", "summary.csv")
+
+    def __init__(self, cfg: PipelineConfig):
+        out = Path(cfg.output_dir)
+        super().__init__(cfg, out / "eval", prompt_sets(cfg).folder, cfg.evaluate.num_workers)
+        self.train_dir, self.policy_dir = out / "train", out / "train" / "policy"
+
+    def requires(self):
+        return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot evaluate")]
+
+    @cached_property
+    def policy_info(self) -> Dict[str, Any]:
+        return json.loads((self.policy_dir / "policy.json").read_text())
+
+    @property
+    def candidates(self) -> List[int]:
+        return [int(b) for b in self.policy_info["candidates"]]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.policy_info.get("trained_block_size", self.candidates[len(self.candidates) // 2]))
+
+    @cached_property
+    def fixed(self) -> List[int]:
+        return sorted(self.cfg.evaluate.fixed_block_sizes or default_fixed_block_sizes(self.block_size,
+                                                                                       self.candidates))
+
+    @property
+    def methods(self) -> List[str]:
+        return methods_for(self.fixed)
+
+    @property
+    def rows_per_input(self) -> int:
+        return len(self.methods)
+
+    def fingerprint(self) -> Dict[str, Any]:
+        return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "fixed": self.fixed,
+                "policy_sha256": {f: file_sha256(self.policy_dir / f) for f in POLICY_FILES},
+                "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
+
+    def describe(self) -> str:
+        return f"methods {self.methods}"
+
+    # -- every actor --
+    def setup(self, worker: Worker) -> None:
         from pipeline.adaptive import AdaptiveDecoder
-        from pipeline.engine import Engine
-        from pipeline.models import load_models
         from pipeline.policy import BlockSizePolicy
 
-        torch.set_num_threads(max(1, threads))
-        self.cfg, self.fixed, self.meta = cfg, fixed, meta
-        self.models = load_models(cfg.model)
-        stops = self.models.stop_token_ids if cfg.decode.stop_on_eos else None
-        self.engine = Engine(self.models.target, self.models.draft, stops)
-        self.policy = BlockSizePolicy.from_pretrained(policy_dir, device=self.models.device)
-        if self.policy.vocab_size != self.models.vocab_size:
-            raise ValueError(f"policy {policy_dir} was trained on V={self.policy.vocab_size}, "
+        super().setup(worker)
+        policy = BlockSizePolicy.from_pretrained(self.policy_dir, device=self.models.device)
+        if policy.vocab_size != self.models.vocab_size:
+            raise ValueError(f"policy {self.policy_dir} was trained on V={policy.vocab_size}, "
                              f"the target has V={self.models.vocab_size}")
-        self.adaptive = AdaptiveDecoder(self.engine, self.policy)
-        self.identity = worker_identity()
-
-    def info(self) -> Dict[str, Any]:
-        import os
-
-        return {"identity": self.identity, "pid": os.getpid(),
-                "device": f"{self.models.device}/{str(self.models.dtype).replace('torch.', '')}"}
+        self.adaptive = AdaptiveDecoder(self.engine, policy)
 
     def _row(self, rec, method, kind, b, res, prefill_s, policy_s, ar_ids) -> Dict[str, Any]:
         import torch
@@ -101,135 +140,62 @@ class EvalWorker:
                 "decode_seconds": res.decode_seconds,
                 "time_per_output_token": res.decode_seconds / max(1, res.new_tokens),
                 "prefill_seconds": prefill_s, "policy_seconds": policy_s,
-                "matches_autoregressive": bool(torch.equal(res.output_ids, ar_ids)), "worker": self.identity}
+                "matches_autoregressive": bool(torch.equal(res.output_ids, ar_ids)), "worker": self.worker.identity}
 
-    def evaluate_shard(self, in_path: str, out_path: str, rejects_path: str) -> Dict[str, Any]:
-        import torch
-
+    def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labeling import argmax_smallest
 
-        d = self.cfg.decode
-        kw = dict(max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                  seed=d.seed)
-        cands = self.policy.candidates
-        table = pq.read_table(in_path, columns=["prompt_id", "source", "input_ids"])
+        kw, cands = self.decode_kwargs(), self.candidates
+
+        def measure(rec):
+            ids = self.input_ids(rec)
+            state = self.engine.prefill(ids)
+            ar = self.engine.decode(state, block_size=1, **kw)
+            fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
+            return state, ar, fixed, self.adaptive.generate(ids, state=state, **kw)
+
+        table = pq.read_table(input, columns=["prompt_id", "source", "input_ids"])
         rows: List[Dict[str, Any]] = []
-        rejects = []
-        t0 = time.perf_counter()
-        for rec in table.to_pylist():
-            try:
-                ids = torch.tensor(rec["input_ids"], dtype=torch.long)[None]
-                state = self.engine.prefill(ids)
-                ar = self.engine.decode(state, block_size=1, **kw)
-                fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
-                ad = self.adaptive.generate(ids, state=state, **kw)
-            except Exception as err:  # one prompt's failure must not lose the shard
-                if "out of memory" in str(err).lower() and torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                rejects.append({"prompt_id": rec["prompt_id"], "source": rec["source"], "reason": "decode_error",
-                                "detail": f"{type(err).__name__}: {err}"[:500], "worker": self.identity})
-                continue
+        for rec, (state, ar, fixed, ad) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
-            out = [self._row(rec, "AR", "autoregressive", 1, ar, p, None, ar.output_ids)]
-            out += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ar.output_ids) for b in self.fixed]
-            out.append(self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds,
-                                 ar.output_ids))
+            rows.append(self._row(rec, "AR", "autoregressive", 1, ar, p, None, ar.output_ids))
+            rows += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ar.output_ids) for b in self.fixed]
+            rows.append(self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds,
+                                  ar.output_ids))
             best = cands[argmax_smallest([fixed[b].tau for b in cands])]
-            out.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ar.output_ids))
-            rows.extend(out)
-        out_table = pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(self.meta)))
-        write_jsonl_atomic(rejects, Path(rejects_path))
-        write_parquet_atomic(out_table, Path(out_path), compression="zstd")
-        return {"rows": table.num_rows - len(rejects), "rejects": len(rejects), "worker": self.identity,
-                "seconds": time.perf_counter() - t0}
+            rows.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ar.output_ids))
+        meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
+                "max_new_tokens": self.cfg.decode.max_new_tokens}
+        return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))
 
+    # -- the driver, at the end --
+    def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
+        results = pa.concat_tables([pq.read_table(p) for p in list_shards(self.folder)])
+        write_parquet_atomic(results, self.folder / "results.parquet", compression="zstd")
+        summary = summarize(results, self.methods)
+        summary.update({"candidates": self.candidates, "fixed_block_sizes": self.fixed,
+                        "trained_block_size": self.block_size})
+        write_text_atomic(render_markdown(summary), self.folder / "summary.md")
+        write_text_atomic(render_csv(summary), self.folder / "summary.csv")
+        return summary
 
-def methods_for(fixed: List[int]) -> List[str]:
-    return ["AR", *[f"b={b}" for b in fixed], "adaptive", "oracle"]
+    def card(self, manifest: Dict[str, Any]) -> str:
+        rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in RESULT_COLUMNS)
+        return (f"# BlockPilot evaluation results\n\nOne row per prompt x method ({', '.join(self.methods)}); "
+                "`results.parquet` holds every shard's rows, `summary.md` / `summary.csv` the tables.\n\n"
+                f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
+
+    def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
+        speed = summary["tables"]["speedup"]
+        return ["average speedup vs AR: " + ", ".join(
+            f"{m} {_fmt(speed[m].get('average'), 2, 'x')}" for m in self.methods) + " (tables: summary.md)"]
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
-    from pipeline.models import load_tokenizer
-    from pipeline.policy import BlockSizePolicy
-    from pipeline.sources import build_prompts
-
-    t_start = time.monotonic()
-    out = Path(cfg.output_dir)
-    policy_dir, eval_dir = out / "train" / "policy", out / "eval"
-    if not is_complete(out / "train"):
-        raise FileNotFoundError(f"no trained policy in {policy_dir} (run `blockpilot train` first)")
-    ensure_writable(eval_dir)
-    policy = BlockSizePolicy.from_pretrained(policy_dir)
-    cands = policy.candidates
-    B = int(policy.info.get("trained_block_size", cands[len(cands) // 2]))
-    fixed = sorted(cfg.evaluate.fixed_block_sizes or default_fixed_block_sizes(B, cands))
-    fp = {"model": vars(cfg.model), "decode": vars(cfg.decode),
-          "sources": json.loads(json.dumps([vars(s) for s in cfg.evaluate.sources])), "limit": cfg.evaluate.limit,
-          "fixed": fixed, "policy": (policy_dir / "policy.json").read_text(),
-          "max_prompt_tokens": cfg.prepare.max_prompt_tokens}
-    has_output = any(list_shards(eval_dir / sub) for sub in ("prompts", "results")) or is_complete(eval_dir)
-    if check_fingerprint(eval_dir, fp, cfg.force, has_output):
-        print(f"[evaluate] force=true: config changed, discarding earlier results in {eval_dir}", flush=True)
-        for sub in ("prompts", "results"):
-            for p in list_shards(eval_dir / sub):
-                p.unlink()
-            clear_complete(eval_dir / sub)
-        clear_complete(eval_dir)
-    if is_complete(eval_dir):
-        print(f"[evaluate] {eval_dir}: complete, nothing to do", flush=True)
-        return json.loads((eval_dir / "summary.json").read_text())
-    fp_sha = fingerprint_sha256(fp)
-    write_resolved(cfg, eval_dir)
-
-    prompts_dir, results_dir = eval_dir / "prompts", eval_dir / "results"
-    if not is_complete(prompts_dir):
-        tokenizer = load_tokenizer(cfg.model)
-        rows, rejects, stats = build_prompts(
-            cfg.evaluate.sources, tokenizer, cfg.prepare.max_prompt_tokens, cfg.prepare.apply_chat_template,
-            cfg.model.enable_thinking, cfg.evaluate.limit, section="evaluate",
-            log=(lambda m: print(m, flush=True)) if cfg.progress else None)
-        prompts_dir.mkdir(parents=True, exist_ok=True)
-        size = cfg.prepare.shard_size
-        for i in range(0, len(rows), size):
-            write_parquet_atomic(pa.Table.from_pylist(rows[i:i + size], schema=PROMPTS_SCHEMA),
-                                 prompts_dir / shard_name(i // size))
-        write_jsonl_atomic(rejects, prompts_dir / "rejects.jsonl")
-        write_json_atomic({"rows": len(rows), "rejects": len(rejects), "stats": stats}, prompts_dir / MANIFEST)
-        mark_complete(prompts_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    methods = methods_for(fixed)
-    todo = []
-    for p in list_shards(prompts_dir):
-        n = pq.read_metadata(p).num_rows
-        o, rj = results_dir / p.name, results_dir / p.with_suffix(".jsonl").name.replace("part-", ".rejects-")
-        if not output_shard_valid(o, n, rj, fp_sha, rows_per_input=len(methods)):
-            todo.append(ShardTask(p.name, (str(p), str(o), str(rj)), n))
-    print(f"[evaluate] methods {methods}; {len(todo)} prompt shard(s) to evaluate", flush=True)
-    failures: List[str] = []
-    if todo:
-        meta = {"fingerprint_sha256": fp_sha, "candidates": cands, "fixed_block_sizes": fixed,
-                "temperature": cfg.decode.temperature, "max_new_tokens": cfg.decode.max_new_tokens}
-        _, failures = run_shard_actors(cfg, EvalWorker, (cfg, str(policy_dir), fixed, meta), "evaluate_shard",
-                                       todo, cfg.evaluate.num_workers, "evaluate")
-    if failures:
-        raise RuntimeError(f"evaluate: {len(failures)} shard(s) failed after retries: {', '.join(failures)}; "
-                           "rerun to retry them")
-    results = pa.concat_tables([pq.read_table(p) for p in list_shards(results_dir)])
-    decode_rejects = [r for p in sorted(results_dir.glob(".rejects-*.jsonl")) for r in read_jsonl(p)]
-    if results.num_rows == 0:
-        first = decode_rejects[0]["detail"] if decode_rejects else "no prompts"
-        raise RuntimeError(f"evaluate: every prompt failed ({len(decode_rejects)} rejects; first: {first})")
-    write_parquet_atomic(results, eval_dir / "results.parquet", compression="zstd")
-    summary = summarize(results, methods)
-    summary.update({"stage": "evaluate", "output": str(eval_dir), "candidates": cands, "fixed_block_sizes": fixed,
-                    "trained_block_size": B,
-                    "decode_rejects": len(decode_rejects), "wall_seconds": round(time.monotonic() - t_start, 1)})
-    write_text_atomic(render_markdown(summary), eval_dir / "summary.md")
-    write_text_atomic(render_csv(summary), eval_dir / "summary.csv")
-    write_json_atomic(summary, eval_dir / "summary.json")
-    mark_complete(eval_dir)
-    print(render_markdown(summary), flush=True)
-    return summary
+    stage = EvaluateStage(cfg)
+    require_complete(stage.requires()[:1])  # a policy first, then the prompt sets
+    execute(prompt_sets(cfg))
+    return execute(stage)
 
 
 def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from pipeline.config import PipelineConfig
-from pipeline.shards import ensure_writable, is_complete, list_shards, mark_complete, write_text_atomic
+from pipeline.driver import StageFolder
+from pipeline.shards import is_complete, list_shards, write_text_atomic
 
 
 def _plt():
@@ -184,7 +185,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
     root = Path(cfg.output_dir)
     out = root / "report"
-    ensure_writable(out)
+    folder = StageFolder(out, "report")  # no fingerprint: a report is always remade from what is there
+    folder.ensure_writable()
+    folder.start(cfg)
     md = ["# BlockPilot report", "", f"Run folder: `{root}`.", ""]
     done = []
     if is_complete(root / "labels"):
@@ -199,9 +202,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     if not done:
         raise FileNotFoundError(f"nothing to report in {root}: no complete labels, train or eval stage")
     write_text_atomic("\n".join(md) + "\n", out / "report.md")
-    mark_complete(out)
-    summary = {"stage": "report", "report": str(out / "report.md"), "sections": done,
+    summary = {"stage": "report", "status": "done", "report": str(out / "report.md"), "sections": done,
                "plots": sorted(p.name for p in out.glob("*.png")), "headline": headline(root),
                "wall_seconds": round(time.monotonic() - t0, 1)}
+    folder.complete(summary)
     print(f"[report] {out / 'report.md'} ({', '.join(done)})", flush=True)
     return summary

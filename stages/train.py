@@ -10,41 +10,32 @@ Output: ``train/metrics.jsonl``, ``train/curves.png``, ``train/policy/`` (model.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineConfig, write_resolved
+from pipeline.config import PipelineConfig
 from pipeline.dataset import decode_metadata
+from pipeline.driver import StageFolder
 from pipeline.policy import is_val
-from pipeline.shards import (
-    MANIFEST,
-    check_fingerprint,
-    clear_complete,
-    ensure_writable,
-    file_sha256,
-    is_complete,
-    list_shards,
-    mark_complete,
-    write_jsonl_atomic,
-)
+from pipeline.shards import MANIFEST, file_sha256, list_shards, write_jsonl_atomic
 from pipeline.validate import validate_dataset
 
 from .common import init_ray
 
 RUN_NAME = "ray"
+Batch = Tuple[np.ndarray, np.ndarray, np.ndarray]  # logits [n, V], label index [n], tau [n, |C|]
 
 
 def _label_column(cfg: PipelineConfig) -> str:
     return "label_speedup_block_size" if cfg.train.label == "speedup" else "label_block_size"
 
 
-def _to_arrays(batch: Dict[str, np.ndarray], candidates: List[int], label_col: str):
+def _to_arrays(batch: Dict[str, np.ndarray], candidates: List[int], label_col: str) -> Batch:
     x = np.stack(batch["logits"]).astype(np.float32)
     tau = np.stack(batch["tau"]).astype(np.float32)
     index = {b: i for i, b in enumerate(candidates)}
@@ -52,105 +43,166 @@ def _to_arrays(batch: Dict[str, np.ndarray], candidates: List[int], label_col: s
     return x, y, tau
 
 
+# ---- the train loop, in named pieces (torchtitan style); all of it runs on every Ray Train worker ----------------
+
+class SplitData:
+    """One split's batches, epoch after epoch. Ray Data streams the worker's shard each epoch; a split that fits in
+    memory (decided by the driver) is read once and reshuffled in memory, since re-running the read pipeline costs
+    seconds per epoch."""
+
+    def __init__(self, shard, config: Dict[str, Any], shuffle: bool):
+        self.shard, self.shuffle = shard, shuffle
+        self.t, self.cands, self.label_col = config["train"], config["candidates"], config["label_column"]
+        self.in_memory = config["cache_in_memory"]
+        self._cache: Optional[Batch] = None
+
+    def _stream(self, seed: Optional[int]) -> Iterator[Batch]:
+        kwargs = {"local_shuffle_buffer_size": 4 * self.t["batch_size"], "local_shuffle_seed": seed} \
+            if seed is not None else {}
+        for b in self.shard.iter_batches(batch_size=self.t["batch_size"], batch_format="numpy", **kwargs):
+            yield _to_arrays(b, self.cands, self.label_col)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        seed = self.t["seed"] + epoch if self.shuffle else None
+        if not self.in_memory:
+            yield from self._stream(seed)
+            return
+        if self._cache is None:
+            parts = list(self._stream(None))
+            self._cache = tuple(np.concatenate([p[i] for p in parts]) if parts else np.zeros((0,))
+                                for i in range(3))
+        x, y, tau = self._cache
+        order = np.random.default_rng(seed).permutation(len(y)) if self.shuffle else np.arange(len(y))
+        for i in range(0, len(y), self.t["batch_size"]):
+            idx = order[i:i + self.t["batch_size"]]
+            yield x[idx], y[idx], tau[idx]
+
+
+def train_step(model, opt, batch: Batch, t: Dict[str, Any]) -> float:
+    """One optimiser step; returns the batch's loss."""
+    import torch
+
+    from pipeline.policy import transform_inputs
+
+    x, y, tau = batch
+    out = model(transform_inputs(torch.from_numpy(x), t["input_transform"]))
+    if t["objective"] == "soft":
+        target = torch.softmax(torch.from_numpy(tau) / t["soft_temperature"], dim=-1)
+        loss = -(target * torch.log_softmax(out, dim=-1)).sum(-1).mean()
+    else:
+        loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def train_epoch(model, opt, data: SplitData, epoch: int, t: Dict[str, Any]) -> Dict[str, Any]:
+    model.train()
+    total, seen = 0.0, 0
+    for batch in data.epoch(epoch):
+        total += train_step(model, opt, batch, t) * len(batch[1])
+        seen += len(batch[1])
+    return {"epoch": epoch, "train_loss": total / max(1, seen)}
+
+
+def validate(model, data: SplitData, epoch: int, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The policy's choices on the val split against the baselines (``val_*`` metrics); empty without val rows."""
+    import torch
+
+    from pipeline.policy import choice_metrics, transform_inputs
+
+    model.eval()
+    scores, ys, taus = [], [], []
+    with torch.no_grad():
+        for x, y, tau in data.epoch(epoch):
+            scores.append(model(transform_inputs(torch.from_numpy(x), config["train"]["input_transform"])))
+            ys.append(y)
+            taus.append(tau)
+    if not ys:
+        return {}
+    vm = choice_metrics(torch.cat(scores), np.concatenate(ys), np.concatenate(taus), config["fixed_index"],
+                        config["trained_index"])
+    return {f"val_{k}": v for k, v in vm.items()}
+
+
+class Checkpointer:
+    """Per-epoch checkpoints through Ray Train (model, optimizer, epoch, metric history), loaded the safe way."""
+
+    STATE, HISTORY = "state.pt", "history.json"
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def restore(self, model, opt) -> Tuple[int, List[Dict[str, Any]]]:
+        """(first epoch to run, metric history so far): from the last checkpoint of a killed run, else (0, [])."""
+        import ray.train
+        import torch
+
+        ckpt = ray.train.get_checkpoint()
+        if not ckpt:
+            return 0, []
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / self.STATE, weights_only=True)  # our own file, loaded safely all the same
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            history = json.loads((Path(d) / self.HISTORY).read_text())
+        print(f"[train] resuming from the checkpoint of epoch {int(state['epoch'])}", flush=True)
+        return int(state["epoch"]) + 1, history
+
+    def save_and_report(self, model, opt, epoch: int, metrics: Dict[str, Any],
+                        history: List[Dict[str, Any]]) -> None:
+        """Rank 0 writes the checkpoint; every rank reports (Ray Train needs each worker's report)."""
+        import ray.train
+        import torch
+        from ray.train import Checkpoint
+
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if self.rank == 0:
+                raw = model.module if hasattr(model, "module") else model
+                torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
+                           Path(d) / self.STATE)
+                (Path(d) / self.HISTORY).write_text(json.dumps(history))
+                checkpoint = Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def log_metrics(history: List[Dict[str, Any]], config: Dict[str, Any], rank: int) -> None:
+    """After the report, so the file never runs ahead of the checkpoints; the whole history each time, so a resumed
+    run rewrites it and never duplicates an epoch."""
+    if rank != 0:
+        return
+    metrics = history[-1]
+    if config["progress"]:
+        shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
+        print(f"[train] epoch {metrics['epoch'] + 1}/{config['train']['epochs']} {shown}", flush=True)
+    write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
+
+
 def train_loop(config: Dict[str, Any]) -> None:
-    """Runs on every Ray Train worker."""
+    """Runs on every Ray Train worker: restore, then epoch after epoch train, validate, checkpoint, log."""
     import ray.train
     import torch
-    from ray.train import Checkpoint
 
-    from pipeline.policy import BlockSizeMLP, choice_metrics, transform_inputs
+    from pipeline.policy import BlockSizeMLP
 
     t = config["train"]
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(t["seed"] + rank)
-    cands = config["candidates"]
-    model = BlockSizeMLP(config["vocab_size"], len(cands), t["hidden"], t["n_layers"], t["dropout"])
+    model = BlockSizeMLP(config["vocab_size"], len(config["candidates"]), t["hidden"], t["n_layers"], t["dropout"])
     opt = torch.optim.Adam(model.parameters(), lr=t["lr"])
-    start_epoch, history = 0, []
-    ckpt = ray.train.get_checkpoint()
-    if ckpt:
-        with ckpt.as_directory() as d:
-            # Our own checkpoint, but loaded the safe way all the same.
-            state = torch.load(Path(d) / "state.pt", weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            start_epoch = int(state["epoch"]) + 1
-            history = json.loads((Path(d) / "history.json").read_text())
-        print(f"[train] resuming from the checkpoint of epoch {start_epoch - 1}", flush=True)
+    checkpointer = Checkpointer(rank)
+    start_epoch, history = checkpointer.restore(model, opt)
     model = ray.train.torch.prepare_model(model)
-    train_shard = ray.train.get_dataset_shard("train")
-    val_shard = ray.train.get_dataset_shard("val")
-    label_col = config["label_column"]
-
-    def stream(shard, shuffle_seed=None):
-        kwargs = {"local_shuffle_buffer_size": 4 * t["batch_size"], "local_shuffle_seed": shuffle_seed} \
-            if shuffle_seed is not None else {}
-        for b in shard.iter_batches(batch_size=t["batch_size"], batch_format="numpy", **kwargs):
-            yield _to_arrays(b, cands, label_col)
-
-    cache: Dict[str, tuple] = {}
-
-    def batches(name, shard, epoch):
-        """Ray Data streams the shard each epoch; a shard that fits in memory (decided by the driver) is read
-        once and reshuffled in memory, since re-running the read pipeline costs seconds per epoch."""
-        shuffle = name == "train"
-        if not config["cache_in_memory"]:
-            yield from stream(shard, t["seed"] + epoch if shuffle else None)
-            return
-        if name not in cache:
-            parts = list(stream(shard))
-            cache[name] = tuple(np.concatenate([p[i] for p in parts]) if parts else np.zeros((0,)) for i in range(3))
-        x, y, tau = cache[name]
-        order = np.random.default_rng(t["seed"] + epoch).permutation(len(y)) if shuffle else np.arange(len(y))
-        for i in range(0, len(y), t["batch_size"]):
-            idx = order[i:i + t["batch_size"]]
-            yield x[idx], y[idx], tau[idx]
-
+    train_data = SplitData(ray.train.get_dataset_shard("train"), config, shuffle=True)
+    val_data = SplitData(ray.train.get_dataset_shard("val"), config, shuffle=False)
     for epoch in range(start_epoch, t["epochs"]):
-        model.train()
-        losses, seen = 0.0, 0
-        for x, y, tau in batches("train", train_shard, epoch):
-            x = transform_inputs(torch.from_numpy(x), t["input_transform"])
-            out = model(x)
-            if t["objective"] == "soft":
-                target = torch.softmax(torch.from_numpy(tau) / t["soft_temperature"], dim=-1)
-                loss = -(target * torch.log_softmax(out, dim=-1)).sum(-1).mean()
-            else:
-                loss = torch.nn.functional.cross_entropy(out, torch.from_numpy(y))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses += float(loss.detach()) * len(y)
-            seen += len(y)
-        metrics: Dict[str, Any] = {"epoch": epoch, "train_loss": losses / max(1, seen)}
-        model.eval()
-        scores, ys, taus = [], [], []
-        with torch.no_grad():
-            for x, y, tau in batches("val", val_shard, epoch):
-                scores.append(model(transform_inputs(torch.from_numpy(x), t["input_transform"])))
-                ys.append(y)
-                taus.append(tau)
-        if ys:
-            vm = choice_metrics(torch.cat(scores), np.concatenate(ys), np.concatenate(taus),
-                                config["fixed_index"], config["trained_index"])
-            metrics.update({f"val_{k}": v for k, v in vm.items()})
+        metrics = train_epoch(model, opt, train_data, epoch, t)
+        metrics.update(validate(model, val_data, epoch, config))
         history.append(metrics)
-        checkpoint = None
-        with tempfile.TemporaryDirectory() as d:
-            if rank == 0:
-                raw = model.module if hasattr(model, "module") else model
-                torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch},
-                           Path(d) / "state.pt")
-                (Path(d) / "history.json").write_text(json.dumps(history))
-                checkpoint = Checkpoint.from_directory(d)
-                if config["progress"]:
-                    shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
-                    print(f"[train] epoch {epoch + 1}/{t['epochs']} {shown}", flush=True)
-            ray.train.report(metrics, checkpoint=checkpoint)
-        if rank == 0:
-            # After the report, so the file never runs ahead of the checkpoints; the whole history each time,
-            # so a resumed run rewrites it and never duplicates an epoch.
-            write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
+        checkpointer.save_and_report(model, opt, epoch, metrics, history)
+        log_metrics(history, config, rank)
 
 
 def _split_tables(shards: List[Path], val_fraction: float, label_col: str, candidates: List[int]):
@@ -166,32 +218,36 @@ def _split_tables(shards: List[Path], val_fraction: float, label_col: str, candi
     return val_mask, tau, y
 
 
+def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
+    """What the policy learns from: the label set (its manifest) and the train settings that shape the model."""
+    fp = {"labels_manifest_sha256": file_sha256(labels_dir / MANIFEST), "train": vars(cfg.train).copy()}
+    for key in ("num_workers", "use_gpu", "max_failures", "cache_max_gb"):  # how it runs, not what it learns
+        fp["train"].pop(key)
+    return fp
+
+
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t_start = time.monotonic()
     out = Path(cfg.output_dir).resolve()
     labels_dir, train_dir = out / "labels", out / "train"
+    folder = StageFolder(train_dir, "train", extra_outputs=(RUN_NAME, "policy", "metrics.jsonl", "curves.png"))
+    folder.ensure_writable()
     report = validate_dataset(str(labels_dir))
     if not report.ok:
         raise ValueError(f"label dataset {labels_dir} is not valid, train refuses it:\n  " +
                          "\n  ".join(report.problems))
-    ensure_writable(train_dir)
+    fp = fingerprint(cfg, labels_dir)
+    previous = folder.previous_summary(fp)
+    if previous is not None:
+        return folder.skipped(previous, t_start)
+    folder.bind(fp, cfg.force)
+    folder.start(cfg)
     shards = list_shards(labels_dir)
     meta = decode_metadata(pq.read_schema(shards[0]).metadata)
     candidates = [int(b) for b in meta["candidates"]]
     vocab = int(meta["vocab_size"])
     B = int(meta["trained_block_size"])
     label_col = _label_column(cfg)
-    fp = {"labels_manifest_sha256": file_sha256(labels_dir / MANIFEST), "train": vars(cfg.train).copy()}
-    for key in ("num_workers", "use_gpu", "max_failures", "cache_max_gb"):  # how it runs, not what it learns
-        fp["train"].pop(key)
-    if check_fingerprint(train_dir, fp, cfg.force, (train_dir / RUN_NAME).exists() or is_complete(train_dir)):
-        print(f"[train] force=true: config changed, discarding {train_dir / RUN_NAME}", flush=True)
-        shutil.rmtree(train_dir / RUN_NAME, ignore_errors=True)
-        clear_complete(train_dir)
-    if is_complete(train_dir):
-        print(f"[train] {train_dir}: complete, nothing to do", flush=True)
-        return json.loads((train_dir / "summary.json").read_text())
-    write_resolved(cfg, train_dir)
 
     val_mask, tau, y = _split_tables(shards, cfg.train.val_fraction, label_col, candidates)
     if val_mask.all() or (~val_mask).sum() == 0:
@@ -245,9 +301,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
           f"V={vocab}, {cfg.train.epochs} epochs, {cfg.train.num_workers} worker(s), gpu={use_gpu}", flush=True)
     result = trainer.fit()
     summary = _export(cfg, result, train_dir, candidates, vocab, B, fp, fixed_index, majority, y, val_mask)
-    summary["wall_seconds"] = round(time.monotonic() - t_start, 1)
-    (train_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    mark_complete(train_dir)
+    summary.update(status="done", wall_seconds=round(time.monotonic() - t_start, 1))
+    folder.complete(summary)
     _print_summary(summary)
     return summary
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pipeline.cli import main
-from pipeline.config import ConfigError, config_sha256, load_config, write_resolved
+from pipeline.config import REPO_ROOT, ConfigError, config_sha256, load_config, write_resolved
 
 
 def test_merge_order_schema_default_file_overrides(tmp_path):
@@ -66,3 +66,45 @@ def test_cli_help_lists_every_stage():
     stage_help = subprocess.run([sys.executable, "-m", "pipeline.cli", "label", "--help"], capture_output=True,
                                 text=True, check=True).stdout
     assert "max_new_tokens: 128" in stage_help and "mode: auto" in stage_help
+
+
+def _sections_read(module: str, seen=None) -> set:
+    """Config sections a stage module reads (``cfg.SECTION`` / ``self.cfg.SECTION``), with the stage modules it
+    imports (``from .X import``), read from their source."""
+    import re
+
+    seen = set() if seen is None else seen
+    # common.py reads `ray` for the actor pool only, which runs only stages that declare actors (and list `ray`).
+    if module in seen or module == "common":
+        return set()
+    seen.add(module)
+    src = (REPO_ROOT / "stages" / f"{module}.py").read_text()
+    found = set(re.findall(r"\bcfg\.([a-z_]+)\b", src))
+    for dep in re.findall(r"^from \.(\w+) import", src, re.M):
+        found |= _sections_read(dep, seen)
+    return found
+
+
+@pytest.mark.parametrize("stage", ["prepare", "label", "train", "evaluate", "report"])
+def test_stage_help_lists_every_key_the_stage_reads(stage):
+    from omegaconf import OmegaConf
+
+    from pipeline.config import PipelineConfig
+    from stages import STAGES
+
+    sections = {k for k, v in OmegaConf.structured(PipelineConfig).items() if OmegaConf.is_dict(v)}
+    read = _sections_read(stage) & sections
+    assert read <= set(STAGES[stage].sections), f"{stage} reads {sorted(read - set(STAGES[stage].sections))}"
+    help_text = subprocess.run([sys.executable, "-m", "pipeline.cli", stage, "--help"], capture_output=True,
+                               text=True, check=True, cwd=REPO_ROOT).stdout
+    for section in read:
+        for key in OmegaConf.structured(PipelineConfig)[section]:
+            assert f"  {key}:" in help_text, (stage, section, key)
+    assert "output_dir:" in help_text and "force:" in help_text
+
+
+def test_evaluate_help_lists_the_prepare_keys_its_prompts_depend_on():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "evaluate", "--help"], capture_output=True,
+                         text=True, check=True, cwd=REPO_ROOT).stdout
+    for key in ("max_prompt_tokens:", "apply_chat_template:", "shard_size:", "num_workers:", "cpus_per_worker:"):
+        assert key in out, key

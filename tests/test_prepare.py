@@ -65,10 +65,10 @@ def test_end_to_end_bundled(tmp_path, tok):
     for name in ("_SUCCESS", "manifest.json", "rejects.jsonl", "dataset_card.md", "config.yaml", "config.sha256"):
         assert (out / name).exists(), name
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["total_rows"] == 16 and [f["rows"] for f in manifest["files"]] == [6, 6, 4]
+    assert manifest["rows"] == 16 and [f["rows"] for f in manifest["files"]] == [6, 6, 4]
     for f in manifest["files"]:
-        assert file_sha256(out / f["name"]) == f["sha256"]
-        assert pq.read_schema(out / f["name"]).remove_metadata() == PROMPTS_SCHEMA
+        assert file_sha256(out / f["file"]) == f["sha256"]
+        assert pq.read_schema(out / f["file"]).remove_metadata() == PROMPTS_SCHEMA
     assert manifest["sources"]["he"]["accepted"] == 16 and manifest["sources"]["he"]["limit_reached"]
     assert manifest["tokenizer"] == "bundled:tiny-target"
     assert "prompt_tokens" in (out / "dataset_card.md").read_text()
@@ -105,7 +105,7 @@ def test_every_reject_reason_from_real_bad_files(tmp_path, tok):
     out = tmp_path / "run" / "prompts"
     rejects = read_jsonl(out / "rejects.jsonl")
     assert set(reasons(rejects)) == set(REJECT_REASONS)  # every reason, from real files
-    assert summary["rejects"] == reasons(rejects) and summary["rejects_total"] == len(rejects)
+    assert summary["rejects_by_reason"] == reasons(rejects) and summary["rejects"] == len(rejects)
     assert summary["duplicates"] == 1
     assert summary["sources"] == {"jsonl": 3, "empty-file": 0, "json": 2, "broken": 0, "lines": 2, "mixed": 2,
                                   "txtdir": 2, "huge": 1}
@@ -136,7 +136,7 @@ def test_every_reject_reason_from_real_bad_files(tmp_path, tok):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["sources"]["empty-file"]["empty_files"] == [str(BAD / "empty.jsonl")]
     assert any("empty.jsonl has no rows" in n for n in summary["notes"])
-    assert manifest["rejects"]["by_source"]["jsonl"] == 13
+    assert manifest["rejects_by_source"]["jsonl"] == 13
     assert manifest["duplicates"] == 1
 
 
@@ -301,7 +301,7 @@ def test_rerun_skips_drift_is_refused_and_force_rewrites(tmp_path):
     assert forced["status"] == "done" and forced["shards"] == 2
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-00000.parquet", "part-00001.parquet"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert [f["name"] for f in manifest["files"]] == ["part-00000.parquet", "part-00001.parquet"]
+    assert [f["file"] for f in manifest["files"]] == ["part-00000.parquet", "part-00001.parquet"]
     assert pl.read_parquet(str(out / "*.parquet")).height == 10
 
 

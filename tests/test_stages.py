@@ -15,7 +15,8 @@ import torch
 from conftest import FAST
 from pipeline.config import load_config
 from pipeline.dataset import PROMPTS_SCHEMA, decode_metadata, labels_schema
-from pipeline.shards import list_shards, mark_complete, write_json_atomic, write_parquet_atomic
+from pipeline.driver import mark_complete
+from pipeline.shards import list_shards, write_json_atomic, write_parquet_atomic
 from pipeline.validate import validate_dataset
 
 

@@ -349,7 +349,8 @@ class StageFolder:
         return summary
 
     def skipped(self, summary: Dict[str, Any], t0: float) -> Dict[str, Any]:
-        print(f"[{self.stage}] {self.path}: skipped: complete ({summary.get('rows', '-')} rows)", flush=True)
+        rows = f" ({summary['rows']} rows)" if "rows" in summary else ""
+        print(f"[{self.stage}] {self.path}: skipped: complete{rows}", flush=True)
         return {**summary, "status": "skipped: complete", "skipped": True,
                 "wall_seconds": round(time.monotonic() - t0, 2)}
 
@@ -465,7 +466,9 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
 
     plan = stage.plan()
     (stage.folder / REJECTS_DIR).mkdir(exist_ok=True)
-    write_jsonl_atomic(plan.rejects, stage.folder / REJECTS_DIR / INPUT_REJECTS)
+    input_rejects = stage.folder / REJECTS_DIR / INPUT_REJECTS
+    if plan.rejects or input_rejects.exists():  # only stages that reject before sharding have one
+        write_jsonl_atomic(plan.rejects, input_rejects)
     stamp = {"stage": stage.name, "fingerprint_sha256": fp_sha, "config_sha256": config_sha,
              "package_version": __version__}
     for t in plan.tasks:

@@ -85,7 +85,7 @@ class EvaluateStage(DecodingStage):
         self.train_dir, self.policy_dir = out / "train", out / "train" / "policy"
 
     def requires(self):
-        return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot evaluate")]
+        return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot evaluate")]  # see run()
 
     @cached_property
     def policy_info(self) -> Dict[str, Any]:
@@ -193,7 +193,7 @@ class EvaluateStage(DecodingStage):
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     stage = EvaluateStage(cfg)
-    require_complete(stage.requires()[:1])  # a policy first, then the prompt sets
+    require_complete([(stage.train_dir, "blockpilot train")])  # before building prompt sets for nothing
     execute(prompt_sets(cfg))
     return execute(stage)
 

@@ -219,6 +219,22 @@ def test_evaluate_results_and_summary(run_dir):
     assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 2 * len(methods)
 
 
+def test_evaluate_prompts_come_from_prepare_and_their_settings_bind_the_results(run_dir, tmp_path):
+    from stages import evaluate
+
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir[0], out)
+    prompts = out / "eval" / "prompts"
+    manifest = json.loads((prompts / "manifest.json").read_text())
+    assert manifest["stage"] == "prepare" and manifest["rows"] == 8  # 4 per evaluation set
+    assert set(manifest["sources"]) == {"humaneval", "stdlib-heldout-eval"}
+    assert evaluate.run(cfg_for(out))["skipped"] is True
+    # The chat template shapes every evaluation prompt: changing it is drift, refused before any decoding.
+    with pytest.raises(FileExistsError, match="apply_chat_template"):
+        evaluate.run(cfg_for(out, "prepare.apply_chat_template=false"))
+    assert (out / "eval" / "_SUCCESS").exists()
+
+
 def test_report_has_tables_and_valid_pngs(run_dir):
     import matplotlib.image as mpimg
 

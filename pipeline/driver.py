@@ -88,7 +88,7 @@ folder's fingerprint, and its rows plus its rejects account for every input row.
 | key | meaning |
 | --- | --- |
 | `manifest_version`, `stage`, `schema_version` | format of this file; the stage; the shards' schema version |
-| `files` | one entry per shard: `file`, `rows`, `bytes`, `sha256`, `rejects` (that shard's reject count) |
+| `files` | one entry per shard: `file`, `rows`, `bytes`, `sha256`, `rejects` (that shard's reject count), `input_rows` (rows of its input; `rows` = (`input_rows` - `rejects`) x rows per input row) |
 | `rows`, `shards` | total rows and shard count |
 | `rejects`, `rejects_file` | total rejects; `{REJECTS}` |
 | `rejects_by_reason`, `rejects_by_source`, `rejects_by_worker` | reject counts by those fields |
@@ -418,7 +418,7 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
         shard_rejects = read_jsonl(Path(t.rejects))
         rejects.extend(shard_rejects)
         files.append({"file": p.name, "rows": pq.read_metadata(p).num_rows, "bytes": p.stat().st_size,
-                      "sha256": file_sha256(p), "rejects": len(shard_rejects)})
+                      "sha256": file_sha256(p), "rejects": len(shard_rejects), "input_rows": t.rows})
     write_jsonl_atomic(rejects, folder / REJECTS)
     if (folder / MANIFEST).exists():
         try:

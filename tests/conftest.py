@@ -10,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parent.parent
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Two layers: tests/unit (no Ray, seconds each) and tests/integration (real Ray, clusters, faults)."""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.integration)
 
 # Small, fast settings for the real tiny pair: what the stage tests share.
 FAST = [

@@ -116,8 +116,8 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     assert [p.name for p in list_shards(out)] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     m = json.loads((out / "manifest.json").read_text())
     assert m["manifest_version"] == MANIFEST_VERSION and m["stage"] == "squares" and m["schema_version"] == "7"
-    assert [(f["file"], f["rows"], f["rejects"]) for f in m["files"]] == [
-        ("part-00000.parquet", 3, 0), ("part-00001.parquet", 2, 1), ("part-00002.parquet", 2, 0)]
+    assert [(f["file"], f["rows"], f["rejects"], f["input_rows"]) for f in m["files"]] == [
+        ("part-00000.parquet", 3, 0, 3), ("part-00001.parquet", 2, 1, 3), ("part-00002.parquet", 2, 0, 2)]
     for f in m["files"]:
         assert f["sha256"] == file_sha256(out / f["file"]) and f["bytes"] == (out / f["file"]).stat().st_size
     assert m["rows"] == 7 and m["shards"] == 3 and m["rejects"] == 2 and m["rejects_file"] == "rejects.jsonl"
@@ -285,7 +285,7 @@ def test_unwritable_folder_fails_before_any_work(tmp_path, inputs):
 
 def test_only_the_driver_writes_manifests_rejects_and_success():
     """The acceptance grep, as a test: stage modules write none of the bookkeeping files themselves."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     needles = ("mark_complete(", "MANIFEST)", '"_SUCCESS"', "rejects.jsonl", "write_manifest(", "_rejects")
     offenders = []
     for path in [*sorted((repo / "stages").glob("*.py")), *sorted((repo / "pipeline").glob("*.py"))]:

@@ -49,7 +49,8 @@ RESULT_COLUMNS = [
     ("time_per_output_token", pa.float32(), "decode_seconds / new_tokens."),
     ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
     ("policy_seconds", pa.float32(), "The policy MLP's latency (adaptive rows only)."),
-    ("matches_autoregressive", pa.bool_(), "Output ids equal AR's (always true at T = 0: decoding is lossless)."),
+    ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
+     "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
@@ -142,6 +143,15 @@ class EvaluateStage(DecodingStage):
                 "prefill_seconds": prefill_s, "policy_seconds": policy_s,
                 "matches_autoregressive": bool(torch.equal(res.output_ids, ar_ids)), "worker": self.worker.identity}
 
+    def reference(self, ids, ar):
+        """What every method's output must equal: at T = 0 the target's plain greedy decoding, computed by an
+        independent loop (so a bug shared by all block sizes of the engine, b = 1 included, still shows)."""
+        if self.cfg.decode.temperature > 0:
+            return ar.output_ids
+        from pipeline.engine import greedy_reference
+
+        return greedy_reference(self.models.target, ids, self.cfg.decode.max_new_tokens, self.engine.stop_token_ids)
+
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labeling import argmax_smallest
 
@@ -152,18 +162,17 @@ class EvaluateStage(DecodingStage):
             state = self.engine.prefill(ids)
             ar = self.engine.decode(state, block_size=1, **kw)
             fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
-            return state, ar, fixed, self.adaptive.generate(ids, state=state, **kw)
+            return state, ar, fixed, self.adaptive.generate(ids, state=state, **kw), self.reference(ids, ar)
 
         table = pq.read_table(input, columns=["prompt_id", "source", "input_ids"])
         rows: List[Dict[str, Any]] = []
-        for rec, (state, ar, fixed, ad) in self.each_prompt(input, table, rejects, measure):
+        for rec, (state, ar, fixed, ad, ref) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
-            rows.append(self._row(rec, "AR", "autoregressive", 1, ar, p, None, ar.output_ids))
-            rows += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ar.output_ids) for b in self.fixed]
-            rows.append(self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds,
-                                  ar.output_ids))
+            rows.append(self._row(rec, "AR", "autoregressive", 1, ar, p, None, ref))
+            rows += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
+            rows.append(self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds, ref))
             best = cands[argmax_smallest([fixed[b].tau for b in cands])]
-            rows.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ar.output_ids))
+            rows.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ref))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
                 "max_new_tokens": self.cfg.decode.max_new_tokens}
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))

@@ -137,14 +137,32 @@ def cluster():
             c.shutdown()
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cluster-run")
-
-
 def _ok(run: Run, what: str) -> None:
     assert run.proc.returncode == 0, f"{what} exited {run.proc.returncode}:\n{run.tail(80)}"
     assert "succeeded" in run.output.lower(), run.tail(80)
+
+
+# Each stage's job is a module-scoped fixture that builds on the one before, so every test below also runs alone
+# (pytest -k label_job runs prepare then label); the tests only check the fixtures' results.
+
+@pytest.fixture(scope="module")
+def prepared(cluster, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cluster-run")
+    return run_dir, cluster.submit("jobs/prepare.py", f"output_dir={run_dir}", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def labelled(cluster, prepared):
+    run_dir, run = prepared
+    _ok(run, "prepare job")
+    return run_dir, cluster.submit("jobs/label.py", f"output_dir={run_dir}", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def trained(cluster, labelled):
+    run_dir, run = labelled
+    _ok(run, "label job")
+    return run_dir, cluster.submit("jobs/train.py", f"output_dir={run_dir}", *SMALL)
 
 
 def test_cluster_has_two_gpu_nodes_on_private_ports(cluster):
@@ -152,14 +170,15 @@ def test_cluster_has_two_gpu_nodes_on_private_ports(cluster):
     assert not cluster.ports & RAY_DEFAULT_PORTS
 
 
-def test_prepare_job(cluster, run_dir):
-    run = cluster.submit("jobs/prepare.py", f"output_dir={run_dir}", *SMALL)
+def test_prepare_job(prepared):
+    run_dir, run = prepared
     _ok(run, "prepare job")
     assert (run_dir / "prompts" / "_SUCCESS").exists()
+    assert json.loads((run_dir / "prompts" / "manifest.json").read_text())["rows"] == 16
 
 
-def test_label_job_places_one_actor_per_node_gpu(cluster, run_dir):
-    run = cluster.submit("jobs/label.py", f"output_dir={run_dir}", *SMALL)
+def test_label_job_places_one_actor_per_node_gpu(cluster, labelled):
+    run_dir, run = labelled
     _ok(run, "label job")
     labels = run_dir / "labels"
     manifest = json.loads((labels / "manifest.json").read_text())
@@ -176,8 +195,8 @@ def test_label_job_places_one_actor_per_node_gpu(cluster, run_dir):
     assert "OK" in v.stdout.splitlines()[0]
 
 
-def test_train_job(cluster, run_dir):
-    run = cluster.submit("jobs/train.py", f"output_dir={run_dir}", *SMALL)
+def test_train_job(trained):
+    run_dir, run = trained
     _ok(run, "train job")
     train = run_dir / "train"
     assert (train / "_SUCCESS").exists()

@@ -63,14 +63,37 @@ def test_label_dataset_contract(run_dir):
         assert row["label_index"] == tau.index(best)  # argmax, first (smaller b) on ties
         assert row["candidates"][row["label_index"]] == row["label_block_size"]
         assert row["label_speedup_block_size"] in row["candidates"]
-        assert len(set(row["new_tokens"])) == 1  # lossless: every b generates the same tokens
         assert all(t >= 1 for t in tau)
     # Two label actors, one per (fake) GPU, on distinct GPU ids.
     workers = summaries["label"]["workers"]
     assert sorted(w["gpu_ids"][0] for w in workers) == ["0", "1"]
     assert len({w["identity"] for w in workers}) == 2
-    assert (labels / "dataset_card.md").read_text().count("`logits`") >= 1
+    # The card is the contract: it documents every column and every metadata key the shards carry.
+    card = (labels / "dataset_card.md").read_text()
+    assert [n for n in labels_schema(V).names if f"| `{n}` |" not in card] == []
+    assert [k for k in meta if f"`blockpilot.{k}`" not in card] == []
+    assert "manifest_version" in card and "_rejects/part-NNNNN.jsonl" in card  # the shared layout section
     assert (labels / "config.yaml").exists() and len((labels / "config.sha256").read_text().strip()) == 64
+
+
+def test_label_rows_generate_what_plain_greedy_decoding_generates(run_dir):
+    """new_tokens per candidate against an independent reference: the target's own greedy loop (no draft, no
+    engine) on the same prompt ids must generate exactly that many tokens."""
+    from pipeline.config import ModelConfig
+    from pipeline.engine import greedy_reference
+    from pipeline.models import load_models
+
+    out = run_dir[0]
+    models = load_models(ModelConfig())
+    prompts = {r["prompt_id"]: r["input_ids"]
+               for r in pq.read_table(out / "prompts" / "part-00000.parquet", columns=["prompt_id", "input_ids"])
+               .to_pylist()}
+    rows = pq.read_table(out / "labels" / "part-00000.parquet", columns=["prompt_id", "new_tokens"]).to_pylist()
+    assert len(rows) == len(prompts) == 8
+    for row in rows:
+        ids = torch.tensor(prompts[row["prompt_id"]])[None]
+        ref = greedy_reference(models.target, ids, 32, models.stop_token_ids)  # FAST: max_new_tokens=32
+        assert row["new_tokens"] == [ref.shape[1] - ids.shape[1]] * len(row["new_tokens"]), row["prompt_id"]
 
 
 def test_other_readers(run_dir):
@@ -161,14 +184,27 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     for key in ("val_accuracy", "val_top2_accuracy", "val_tau_policy", "val_tau_best_fixed", "val_tau_oracle",
                 "val_regret"):
         assert key in history[-1]
-    assert list((train / "ray").glob("checkpoint_*"))
+    assert len(list((train / "ray").glob("checkpoint_*/state.pt"))) == 2  # CheckpointConfig(num_to_keep=2)
     assert (train / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     policy = BlockSizePolicy.from_pretrained(train / "policy")
     assert policy.candidates == [6, 7, 8, 9, 10] and policy.info["epochs"] == 4
     x = torch.from_numpy(np.stack(pq.read_table(out / "labels" / "part-00000.parquet", columns=["logits"])
                                   .column("logits").to_numpy(zero_copy_only=False)).astype(np.float32))
-    again = BlockSizePolicy.from_pretrained(train / "policy")
-    assert torch.equal(policy.scores(x), again.scores(x)) and policy.choose_batch(x) == again.choose_batch(x)
+    # The export is the last checkpoint's model: same weights, and the same choices on real label rows.
+    from pipeline.policy import BlockSizeMLP
+
+    states = [torch.load(p, weights_only=True) for p in (train / "ray").glob("checkpoint_*/state.pt")]
+    state = max(states, key=lambda st: st["epoch"])
+    assert state["epoch"] == 3
+    exported = policy.model.state_dict()
+    assert exported.keys() == state["model"].keys()
+    assert all(torch.equal(exported[k], state["model"][k]) for k in exported)
+    trained = BlockSizeMLP(policy.vocab_size, len(policy.candidates), 64, 2, 0.2)  # FAST: train.hidden=64
+    trained.load_state_dict(state["model"])
+    trained.eval()
+    with torch.no_grad():
+        expected = [policy.candidates[i] for i in trained(x).argmax(-1).tolist()]
+    assert policy.choose_batch(x) == expected and len(expected) == 8
     assert policy.choose(x[0]) in policy.candidates
     with pytest.raises(ValueError, match="vocabulary of"):
         policy.choose(torch.zeros(policy.vocab_size + 1))
@@ -204,7 +240,8 @@ def test_evaluate_results_and_summary(run_dir):
     assert {f"b={b}" for b in (2, 4, 6, 7, 8, 9, 10, 16)} <= set(methods)  # {B/4, B/2, B, 2B} + C for B = 8
     assert set(s["datasets"]) == {"humaneval", "stdlib-heldout-eval"}
     assert res.height == 8 * len(methods)  # 4 prompts per dataset x every method
-    # T = 0: every method, adaptive included, reproduces autoregressive greedy output.
+    # T = 0: every method, adaptive included, reproduces the target's own plain greedy decoding (an independent
+    # loop, not the engine's b = 1).
     assert res["matches_autoregressive"].all()
     adaptive = res.filter(pl.col("method") == "adaptive")
     assert adaptive["block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
@@ -212,7 +249,12 @@ def test_evaluate_results_and_summary(run_dir):
         for m in methods:
             for ds in [*s["datasets"], "average"]:
                 assert s["tables"][metric][m][ds] is not None, (metric, m, ds)
-    assert s["tables"]["speedup"]["AR"]["average"] == pytest.approx(1.0)
+    # The speedup formula, recomputed from the raw rows: mean AR time per output token / the method's, per set.
+    for ds in s["datasets"]:
+        sub = res.filter(pl.col("source") == ds)
+        tpot = {m: sub.filter(pl.col("method") == m)["time_per_output_token"].to_list() for m in ("AR", "b=8")}
+        assert s["tables"]["speedup"]["b=8"][ds] == pytest.approx(
+            (sum(tpot["AR"]) / len(tpot["AR"])) / (sum(tpot["b=8"]) / len(tpot["b=8"])), rel=1e-5)
     md = (out / "eval" / "summary.md").read_text()
     assert all(f"| {m} |" in md for m in methods)
     csv = (out / "eval" / "summary.csv").read_text().splitlines()
@@ -248,4 +290,8 @@ def test_report_has_tables_and_valid_pngs(run_dir):
     for p in report.glob("*.png"):
         img = mpimg.imread(p)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
-    assert summaries["report"]["headline"]["adaptive_tau"] >= 1
+    h, ev = summaries["report"]["headline"], summaries["evaluate"]
+    assert h["adaptive_tau"] == ev["tables"]["tau"]["adaptive"]["average"]
+    fixed = [m for m in ev["methods"] if m.startswith("b=")]
+    assert h["best_fixed"] == max(fixed, key=lambda m: ev["tables"]["speedup"][m]["average"])  # the fastest b
+    assert "| adaptive | " in text and h["best_fixed"] in text

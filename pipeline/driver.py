@@ -451,7 +451,6 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     listed in the error, and the folder stays without ``_SUCCESS`` until a rerun completes it.
     """
     t0 = time.monotonic()
-    cfg = stage.cfg
     require_complete(stage.requires())
     folder = StageFolder(stage.folder, stage.name, stage.extra_outputs)
     folder.ensure_writable()
@@ -460,45 +459,13 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     if previous is not None:
         return folder.skipped(previous, t0)
     stage.check()
-    folder.bind(fp, cfg.force)
-    fp_sha = fingerprint_sha256(fp)
-    config_sha = folder.start(cfg)
+    folder.bind(fp, stage.cfg.force)
+    config_sha = folder.start(stage.cfg)
 
     plan = stage.plan()
-    (stage.folder / REJECTS_DIR).mkdir(exist_ok=True)
-    input_rejects = stage.folder / REJECTS_DIR / INPUT_REJECTS
-    if plan.rejects or input_rejects.exists():  # only stages that reject before sharding have one
-        write_jsonl_atomic(plan.rejects, input_rejects)
-    stamp = {"stage": stage.name, "fingerprint_sha256": fp_sha, "config_sha256": config_sha,
-             "package_version": __version__}
-    for t in plan.tasks:
-        t.output = str(stage.folder / t.name)
-        t.rejects = str(stage.folder / REJECTS_DIR / Path(t.name).with_suffix(".jsonl").name)
-        t.metadata = {**t.metadata, **stamp}
-    planned = {t.name for t in plan.tasks}
-    for stale in list_shards(stage.folder):  # from a run with more shards (force with another shard size)
-        if stale.name not in planned:
-            stale.unlink()
-            (stage.folder / REJECTS_DIR / stale.with_suffix(".jsonl").name).unlink(missing_ok=True)
-    todo = [t for t in plan.tasks
-            if not output_shard_valid(Path(t.output), t.rows, Path(t.rejects), fp_sha, stage.rows_per_input)]
-    rows = sum(t.rows for t in todo)
-    described = f"{stage.describe()}: " if stage.describe() else ""
-    print(f"[{stage.name}] {described}{len(todo)}/{len(plan.tasks)} shards ({rows} {stage.unit}) to do",
-          flush=True)
-
-    execution = Execution([], [])
-    if todo:
-        if executor is None:
-            executor = LocalExecutor(stage.resources().max_retries)
-        progress = Progress(stage.name, rows, stage.unit, every=0, enabled=cfg.progress)
-
-        def done(task: ShardTask, result: Optional[Dict[str, Any]], error: Optional[str]) -> None:
-            extra = f"FAILED: {error}" if result is None else \
-                f"rows={result['rows']} rejects={result['rejects']} by {result['worker']}"
-            progress.update(task.rows, f"{task.name} {extra}")
-
-        execution = executor.run(stage, todo, done)
+    todo = _place(stage, plan, {"stage": stage.name, "fingerprint_sha256": fingerprint_sha256(fp),
+                                "config_sha256": config_sha, "package_version": __version__})
+    execution = _execute(stage, todo, executor)
     manifest = write_manifest(stage, plan.tasks, fp, execution.workers)
     if execution.failures:
         names = [f.split(":", 1)[0] for f in execution.failures]
@@ -509,7 +476,50 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     if manifest["rows"] == 0 and manifest["rejects"]:
         first = read_jsonl(stage.folder / REJECTS)[0].get("detail")
         raise RuntimeError(f"{stage.name}: every row failed ({manifest['rejects']} rejects; first: {first})")
+    return _complete(stage, folder, manifest, execution, t0)
 
+
+def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTask]:
+    """Give every planned task its output paths and metadata stamp, write the input rejects, remove shards the
+    plan no longer has, and return the tasks whose output is not done yet (the to-do list)."""
+    rejects_dir = stage.folder / REJECTS_DIR
+    rejects_dir.mkdir(exist_ok=True)
+    if plan.rejects or (rejects_dir / INPUT_REJECTS).exists():  # only stages that reject before sharding have one
+        write_jsonl_atomic(plan.rejects, rejects_dir / INPUT_REJECTS)
+    for t in plan.tasks:
+        t.output = str(stage.folder / t.name)
+        t.rejects = str(rejects_dir / Path(t.name).with_suffix(".jsonl").name)
+        t.metadata = {**t.metadata, **stamp}
+    planned = {t.name for t in plan.tasks}
+    for stale in list_shards(stage.folder):  # from a run with more shards (force with another shard size)
+        if stale.name not in planned:
+            stale.unlink()
+            (rejects_dir / stale.with_suffix(".jsonl").name).unlink(missing_ok=True)
+    todo = [t for t in plan.tasks if not output_shard_valid(
+        Path(t.output), t.rows, Path(t.rejects), stamp["fingerprint_sha256"], stage.rows_per_input)]
+    described = f"{stage.describe()}: " if stage.describe() else ""
+    print(f"[{stage.name}] {described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
+          f"{stage.unit}) to do", flush=True)
+    return todo
+
+
+def _execute(stage: ShardStage, todo: List[ShardTask], executor) -> Execution:
+    if not todo:
+        return Execution([], [])
+    executor = executor or LocalExecutor(stage.resources().max_retries)
+    progress = Progress(stage.name, sum(t.rows for t in todo), stage.unit, every=0, enabled=stage.cfg.progress)
+
+    def done(task: ShardTask, result: Optional[Dict[str, Any]], error: Optional[str]) -> None:
+        extra = f"FAILED: {error}" if result is None else \
+            f"rows={result['rows']} rejects={result['rejects']} by {result['worker']}"
+        progress.update(task.rows, f"{task.name} {extra}")
+
+    return executor.run(stage, todo, done)
+
+
+def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], execution: Execution,
+              t0: float) -> Dict[str, Any]:
+    """The stage's derived outputs, summary.json, the card, then _SUCCESS; prints the summary."""
     summary = {"stage": stage.name, "status": "done", "skipped": False, "output": str(stage.folder),
                "rows": manifest["rows"], "shards": manifest["shards"], "rejects": manifest["rejects"],
                "rejects_by_reason": manifest["rejects_by_reason"],

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import PipelineConfig
+from pipeline.config import ConfigError, PipelineConfig
 from pipeline.dataset import LABELS_SCHEMA_VERSION, encode_metadata, labels_card, labels_schema
 from pipeline.driver import Rejects, Worker
 from pipeline.shards import MANIFEST, file_sha256
@@ -49,10 +49,25 @@ def trained_block_size(cfg: PipelineConfig) -> int:
 
 
 def resolve_mode(cfg: PipelineConfig) -> str:
-    """auto = replay at T = 0 (exact there, and much cheaper), exhaustive otherwise."""
-    if cfg.label.mode != "auto":
-        return cfg.label.mode
-    return "replay" if cfg.decode.temperature == 0 else "exhaustive"
+    """auto = replay at T = 0 when replay is proven exact for the draft (and much cheaper), exhaustive otherwise.
+    Decided from the draft's config, before any model is loaded; label.mode=replay with a draft replay does not
+    model fails here."""
+    if cfg.label.mode == "exhaustive" or (cfg.label.mode == "auto" and cfg.decode.temperature > 0):
+        return "exhaustive"
+    from pipeline.models import resolve_location
+    from pipeline.replay import draft_config, replay_unsupported_config
+
+    try:
+        why = replay_unsupported_config(draft_config(resolve_location(cfg.model.draft), cfg.model.draft_revision))
+    except Exception as e:  # noqa: BLE001 - a config that cannot be read cannot be proven exact either
+        why = f"an unreadable draft config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    if why is None:
+        return "replay"
+    if cfg.label.mode == "replay":
+        raise ConfigError(f"config key 'label.mode': replay does not model {why} (draft {cfg.model.draft!r}); "
+                          "use label.mode=exhaustive or auto")
+    print(f"[label] mode auto: exhaustive, because replay does not model {why}", flush=True)
+    return "exhaustive"
 
 
 class LabelStage(DecodingStage):

@@ -4,10 +4,14 @@ Random weights alone make the draft and target agree almost never (tau ~ 1), whi
 acceptance bookkeeping untested. So the shared lm_head is tilted: two tokens get a large +/- component along
 one direction u, and every other row is shrunk. Each model's argmax is then decided by the sign of its final
 hidden state along u: the draft agrees with the target about half the time, and acceptance lengths vary.
+
+Draft variants (keyword options of :func:`make_pair`, defaults = the plain one-layer full-attention draft):
+``layer_types`` + ``sliding_window`` (sliding-window layers), ``is_causal`` (causal draft attention) and
+``dflash2`` (a DFlash2DraftModel: causal convolutions around every layer and a top-k candidate selector).
 """
 
 import torch
-from dflash.model import DFlashDraftModel
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 64
@@ -15,16 +19,41 @@ MASK_ID = VOCAB - 1
 EOS_ID = VOCAB - 2
 
 
-def make_pair(seed: int, block_size: int = 4, tilt: float = 0.3, shrink: float = 1.0, target_layers: int = 3):
+def make_pair(seed: int, block_size: int = 4, tilt: float = 0.3, shrink: float = 1.0, target_layers: int = 3,
+              layer_types=None, sliding_window=None, is_causal=None, dflash2: bool = False,
+              conv_kernel_size: int = 3):
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
     target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=target_layers, tie_word_embeddings=False,
                                           eos_token_id=EOS_ID, **common)).eval()
-    draft_cfg = Qwen3Config(num_hidden_layers=1, num_target_layers=target_layers, **common)
+    variant = {}
+    if layer_types is not None:
+        # Qwen3Config drops sliding_window unless use_sliding_window is set.
+        variant = dict(layer_types=list(layer_types), sliding_window=sliding_window,
+                       use_sliding_window=sliding_window is not None)
+    draft_cfg = Qwen3Config(num_hidden_layers=len(layer_types or [None]), num_target_layers=target_layers,
+                            **variant, **common)
+    if is_causal is not None:
+        draft_cfg.is_causal = is_causal
     draft_cfg.dflash_config = {"block_size": block_size, "mask_token_id": MASK_ID,
                                "target_layer_ids": [0, target_layers - 1]}
-    draft = DFlashDraftModel(draft_cfg).eval()
+    if dflash2:
+        # Kernel 3: offsets up to 2 reach across neighbouring blocks when blocks lie side by side, and dflash's
+        # convolution still runs on the shortest block the engine drafts (2 tokens; a longer kernel fails there).
+        draft_cfg.dflash_config.update(conv_kernel_size=conv_kernel_size, conv_group_size=8, selector_rank=8,
+                                       selector_top_k=6)
+        draft_cfg.architectures = ["DFlash2DraftModel"]
+        draft = DFlash2DraftModel(draft_cfg).eval()
+        with torch.no_grad():  # the conv kernels are created with torch.empty and post_init leaves them alone
+            for layer in draft.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.normal_(0.0, 0.3)
+                    conv.kernel_projection.weight.normal_(0.0, 0.1)
+            draft.candidate_selector.predecessor_codebook.weight.normal_(0.0, 1.0)
+            draft.candidate_selector.successor_codebook.weight.normal_(0.0, 1.0)
+    else:
+        draft = DFlashDraftModel(draft_cfg).eval()
     with torch.no_grad():
         w = target.lm_head.weight
         u = torch.randn(w.shape[1])

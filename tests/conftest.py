@@ -8,6 +8,10 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# One intra-op thread per process: on 2 cores, torch's default (one per core) oversubscribes the CPU as soon as a Ray
+# actor, a subprocess or another test process runs beside it, and tiny-model tests then take minutes instead of
+# seconds. The pipeline's own workers set their threads explicitly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = Path(__file__).resolve().parent / "integration"

@@ -73,12 +73,22 @@ def load_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval()
 
 
-def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    from dflash.model import DFlashDraftModel
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
-    model = DFlashDraftModel.from_pretrained(
-        resolve_location(cfg.draft), revision=cfg.draft_revision, dtype=dtype,
-    )
+
+def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """The draft class its config names (``architectures``; none = DFlashDraftModel), so that a DFlash2 checkpoint
+    gets its convolutions and candidate selector. Only dflash's own classes: no remote code."""
+    import dflash.model
+    from transformers import PretrainedConfig
+
+    location = resolve_location(cfg.draft)
+    archs = PretrainedConfig.from_pretrained(location, revision=cfg.draft_revision).architectures or []
+    name = archs[0] if len(archs) == 1 else "DFlashDraftModel"
+    if name not in DRAFT_ARCHITECTURES:
+        raise ValueError(f"draft {cfg.draft!r}: architecture {archs} is not a dflash draft "
+                         f"({', '.join(DRAFT_ARCHITECTURES)})")
+    model = getattr(dflash.model, name).from_pretrained(location, revision=cfg.draft_revision, dtype=dtype)
     if model.mask_token_id is None:
         raise ValueError(f"draft {cfg.draft!r}: config has no dflash_config.mask_token_id")
     return model.to(device).eval()

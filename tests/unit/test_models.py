@@ -29,3 +29,17 @@ def test_unknown_bundled_name_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="bundled model 'bundled:nope'"):
         resolve_location("bundled:nope")
     assert resolve_location("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # hub ids pass through untouched
+
+
+def test_a_dflash2_checkpoint_loads_as_dflash2(tmp_path):
+    """The loader builds the class the checkpoint names: a DFlash2 draft keeps its selector and convolutions
+    (loading it as DFlashDraftModel would silently drop them and propose by argmax)."""
+    from dflash.model import DFlash2DraftModel
+
+    target, draft = make_pair(0, dflash2=True)
+    assert isinstance(draft, DFlash2DraftModel)
+    draft.save_pretrained(tmp_path / "d")
+    d2 = load_draft(ModelConfig(draft=str(tmp_path / "d")), torch.device("cpu"), torch.float32)
+    assert type(d2) is DFlash2DraftModel
+    sd, sd2 = draft.state_dict(), d2.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)

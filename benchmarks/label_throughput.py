@@ -58,10 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 = what one CPU label actor uses)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (the engine's timers synchronise on CUDA)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    m = load_models(ModelConfig(dtype="float32", device="cpu"))
+    m = load_models(ModelConfig(dtype=args.dtype, device=args.device))
     engine = Engine(m.target, m.draft, m.stop_token_ids)
     cfg = load_config()
     rows, _, _ = build_prompts(cfg.prepare.sources, m.tokenizer, cfg.prepare.max_prompt_tokens, limit=args.prompts)
@@ -75,11 +77,12 @@ def main(argv=None) -> int:
     }
     seconds = {k: 0.0 for k in methods}
     agree = {k: True for k in methods}
-    print(f"{len(rows)} prompts, candidates {cands}, max_new_tokens {args.max_new_tokens}, "
+    print(f"{len(rows)} prompts on {m.device}/{str(m.dtype).replace('torch.', '')}, candidates {cands}, "
+          f"max_new_tokens {args.max_new_tokens}, "
           f"{args.threads} thread(s), target {sum(p.numel() for p in m.target.parameters()) / 1e6:.1f}M params, "
           f"draft {sum(p.numel() for p in m.draft.parameters()) / 1e6:.1f}M")
     for i, row in enumerate(rows):
-        ids = torch.tensor(row["input_ids"])[None]
+        ids = torch.tensor(row["input_ids"], device=m.device)[None]
         ref = None
         for name, fn in methods.items():
             t0 = time.perf_counter()

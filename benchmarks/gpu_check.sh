@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The CUDA paths in one script, for the day a GPU is lent (under 8 minutes on one GPU):
+#   1. engine exactness against dflash_generate and plain greedy decoding, fp32 and bf16;
+#   2. replay against exhaustive labelling in bf16: the bundled tiny pair, and a random pair with Qwen3-8B's shapes
+#      at reduced depth (agreement reported);
+#   3. label -> train -> evaluate -> report of the embedded default on the device (bf16 `auto`, synchronised
+#      timers, one actor per real GPU);
+#   4. the labelling throughput benchmark on the device;
+# then one summary block.
+#
+#   bash benchmarks/gpu_check.sh                 # on a GPU machine (cuda)
+#   bash benchmarks/gpu_check.sh --device cpu    # the same steps on CPU, smaller, so the script cannot rot
+#   bash benchmarks/gpu_check.sh --out DIR       # where logs and JSON go (default runs/gpu-check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=cuda
+OUT=runs/gpu-check
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+rm -f "$OUT"/*.json "$OUT"/status.txt
+
+# CPU: fewer prompts, shorter generations; GPU: sized to finish in about 8 minutes.
+if [ "$DEVICE" = cpu ]; then
+  REPLAY_ARGS="--prompts 8 --max-new-tokens 32"
+  RUN_ARGS="prepare.limit=16 prepare.shard_size=8 evaluate.limit=4 decode.max_new_tokens=32 train.epochs=3 train.hidden=64 workers.cpus_per_worker=0.5"
+  BENCH_ARGS="--prompts 4 --max-new-tokens 32"
+else
+  REPLAY_ARGS="--prompts 32 --max-new-tokens 128"
+  RUN_ARGS="prepare.limit=128 prepare.shard_size=32 evaluate.limit=16 train.epochs=20"
+  BENCH_ARGS="--prompts 24 --max-new-tokens 128"
+fi
+
+step() {  # step NAME TIMEOUT_S COMMAND...: runs it, logs it, records ok/FAILED with its wall time
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$OUT/$name.log"
+  printf '%-22s %-7s %4ss  (log: %s)\n' "$name" "$([ $rc = 0 ] && echo ok || echo "FAILED($rc)")" \
+    "$((SECONDS - t0))" "$OUT/$name.log" >> "$OUT/status.txt"
+}
+
+step engine-fp32 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --dtype float32 --out "$OUT"
+step engine-bf16 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --dtype bfloat16 --out "$OUT"
+step replay-bf16 180 "$PY" benchmarks/gpu_check.py replay --device "$DEVICE" --dtype bfloat16 --out "$OUT" $REPLAY_ARGS
+rm -rf "$OUT/run"
+step pipeline 300 "$PY" -m pipeline.cli run output_dir="$OUT/run" model.device="$DEVICE" ray.address=local \
+  progress=false $RUN_ARGS
+step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BENCH_ARGS
+
+echo
+echo "================ gpu_check summary (device $DEVICE) ================"
+cat "$OUT/status.txt"
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for p in sorted(out.glob("engine-*.json")):
+    r = json.loads(p.read_text())
+    print(f"engine {r['dtype']:<9} ids = dflash {r['ids_equal_dflash']}/{r['cases']}, steps = dflash "
+          f"{r['steps_equal_dflash']}/{r['cases']}, lossless vs plain greedy {r['lossless_vs_greedy']}/{r['cases']}")
+for p in sorted(out.glob("replay-*.json")):
+    r = json.loads(p.read_text())
+    for name in ("tiny_pair", "random_8b_shapes"):
+        a = r[name]
+        print(f"replay {r['dtype']} {name:<17} labels {a['labels_equal']}/{a['prompts']}, tau {a['tau_equal']}/"
+              f"{a['prompts']}, per-step committed {a['committed_equal']}/{a['prompts']}"
+              + (f" ({a['shapes']})" if "shapes" in a else ""))
+summary = out / "run" / "report" / "summary.json"
+if summary.exists():
+    h = json.loads(summary.read_text()).get("headline", {})
+    if h:
+        print(f"pipeline: adaptive {h['adaptive_tau']:.2f} / {h['adaptive_speedup']:.2f}x; best fixed "
+              f"{h['best_fixed']} {h['best_fixed_tau']:.2f} / {h['best_fixed_speedup']:.2f}x; oracle "
+              f"{h['oracle_tau']:.2f} / {h['oracle_speedup']:.2f}x")
+labels = out / "run" / "labels" / "manifest.json"
+if labels.exists():
+    workers = json.loads(labels.read_text()).get("workers", [])
+    print(f"label workers: {[(w.get('identity'), w.get('device')) for w in workers]}")
+bench = out / "throughput.log"
+if bench.exists():
+    lines = [l for l in bench.read_text().splitlines() if l.startswith("ratio ")]
+    print(f"throughput: {lines[-1] if lines else 'no ratio line (see the log)'}")
+EOF
+echo "======================================================================"
+! grep -q FAILED "$OUT/status.txt"

@@ -1,4 +1,4 @@
-"""`ray job submit --working-dir . -- python jobs/train.py [-c conf/X.yaml] [key=value ...]`
+"""`ray job submit --working-dir . -- python jobs/train.py [-c FILE.yaml | -c published:NAME] [key=value ...]`
 
 A thin entrypoint: the job's driver runs `blockpilot train`, which joins the job's Ray cluster (RAY_ADDRESS).
 """

@@ -4,4 +4,5 @@ The library: config schema (``config``), model loading (``models``), the decodin
 label dataset schema and I/O, and the block-size policy. Stages that run on Ray live in the ``stages`` package.
 """
 
+# The one place the version lives: pyproject.toml reads it ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"

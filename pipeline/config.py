@@ -1,7 +1,10 @@
 """The one config schema of the pipeline.
 
 Typed dataclasses are the schema; values are merged as
-schema <- conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
+schema <- pipeline/conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
+The default config and the published ones (``pipeline/conf/published/NAME.yaml``, named on the command line as
+``-c published:NAME``) are package data: found through this package's location, so that a wheel or a plain
+``pip install .`` runs exactly as a checkout does, from any directory.
 Unknown keys, wrong types, missing mandatory values and out-of-range values fail in
 :func:`load_config`, before any stage does work, with a :class:`ConfigError` naming the key.
 """
@@ -11,13 +14,18 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_YAML = REPO_ROOT / "conf" / "default.yaml"
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The checkout's root (tests use it for tests/data); meaningless in an installed package, so nothing here reads it.
+REPO_ROOT = PACKAGE_DIR.parent
+CONF_DIR = PACKAGE_DIR / "conf"
+DEFAULT_YAML = CONF_DIR / "default.yaml"
+PUBLISHED_DIR = CONF_DIR / "published"
+PUBLISHED_PREFIX = "published:"
 
 
 class ConfigError(ValueError):
@@ -236,18 +244,43 @@ def _key_of(err: OmegaConfBaseException) -> str:
     return str(key) if key else "?"
 
 
+def published_configs() -> Dict[str, Path]:
+    """The packaged published configs, by name (``-c published:NAME``)."""
+    return {p.stem: p for p in sorted(PUBLISHED_DIR.glob("*.yaml"))}
+
+
+def resolve_config_file(config_file: str) -> Path:
+    """``published:NAME`` -> the packaged ``pipeline/conf/published/NAME.yaml``; anything else is a path."""
+    text = str(config_file)
+    if text.startswith(PUBLISHED_PREFIX):
+        name = text[len(PUBLISHED_PREFIX):]
+        name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+        known = published_configs()
+        if name not in known:
+            raise ConfigError(f"no published config {name!r} (in {PUBLISHED_DIR}); known: "
+                              f"{', '.join(PUBLISHED_PREFIX + n for n in known) or 'none'}")
+        return known[name]
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {config_file}")
+    return path
+
+
 def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str] = None,
                 default_yaml: Optional[Path] = DEFAULT_YAML) -> PipelineConfig:
-    """Merge schema <- default.yaml <- config_file <- dotlist overrides; validate; return the typed object."""
+    """Merge schema <- default.yaml <- config_file (a path or ``published:NAME``) <- dotlist overrides; validate;
+    return the typed object."""
     layers = []
     try:
         base = OmegaConf.structured(PipelineConfig)
-        if default_yaml is not None and Path(default_yaml).exists():
+        if default_yaml is not None:
+            if not Path(default_yaml).is_file():
+                # Never fall back to the schema defaults silently: they differ from default.yaml (limits, sources).
+                raise ConfigError(f"default config not found: {default_yaml} (a broken install? it ships in the "
+                                  "package as pipeline/conf/default.yaml)")
             layers.append(OmegaConf.load(default_yaml))
         if config_file is not None:
-            if not Path(config_file).is_file():
-                raise ConfigError(f"config file not found: {config_file}")
-            layers.append(OmegaConf.load(config_file))
+            layers.append(OmegaConf.load(resolve_config_file(config_file)))
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")

@@ -16,7 +16,7 @@ def test_merge_order_schema_default_file_overrides(tmp_path):
     assert cfg.decode.max_new_tokens == 64  # file over default.yaml (128)
     assert cfg.label.k == 3  # override over file
     assert cfg.output_dir == "/tmp/somewhere"
-    assert cfg.prepare.shard_size == 64  # conf/default.yaml over the schema default (256)
+    assert cfg.prepare.shard_size == 64  # pipeline/conf/default.yaml over the schema default (256)
     assert cfg.train.lr == 1e-5  # schema default
 
 

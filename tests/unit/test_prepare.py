@@ -62,7 +62,7 @@ def test_end_to_end_bundled(tmp_path, tok):
     assert summary["status"] == "done" and summary["rows"] == 16 and summary["shards"] == 3
     assert sorted(p.name for p in out.glob("part-*.parquet")) == ["part-00000.parquet", "part-00001.parquet",
                                                                   "part-00002.parquet"]
-    for name in ("_SUCCESS", "manifest.json", "rejects.jsonl", "dataset_card.md", "config.yaml", "config.sha256"):
+    for name in ("_SUCCESS", "manifest.json", "rejects.jsonl", "README.md", "config.yaml", "config.sha256"):
         assert (out / name).exists(), name
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rows"] == 16 and [f["rows"] for f in manifest["files"]] == [6, 6, 4]
@@ -71,7 +71,7 @@ def test_end_to_end_bundled(tmp_path, tok):
         assert pq.read_schema(out / f["file"]).remove_metadata() == PROMPTS_SCHEMA
     assert manifest["sources"]["he"]["accepted"] == 16 and manifest["sources"]["he"]["limit_reached"]
     assert manifest["tokenizer"] == "bundled:tiny-target"
-    assert "prompt_tokens" in (out / "dataset_card.md").read_text()
+    assert "prompt_tokens" in (out / "README.md").read_text()
     assert load_config([], str(out / "config.yaml")).prepare.limit == 16  # the resolved config reloads
 
     df = pl.read_parquet(str(out / "*.parquet"))
@@ -337,11 +337,11 @@ def test_job_entrypoint_runs_the_cli(tmp_path):
     assert bad.returncode == 2 and "no_such_key" in bad.stderr
 
 
-PUBLISHED = sorted(glob.glob(str(REPO_ROOT / "conf" / "published" / "*.yaml")))
+PUBLISHED = sorted(glob.glob(str(REPO_ROOT / "pipeline" / "conf" / "published" / "*.yaml")))
 
 
 def test_shipped_configs_validate():
-    load_config(config_file=str(REPO_ROOT / "conf" / "default.yaml"))
+    load_config(config_file=str(REPO_ROOT / "pipeline" / "conf" / "default.yaml"))
     assert len(PUBLISHED) == 4
     targets = {}
     for path in PUBLISHED:

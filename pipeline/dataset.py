@@ -1,7 +1,7 @@
-"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v1).
+"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v2).
 
-This module is the contract with other teams: every column is documented here and rendered into the
-``dataset_card.md`` written beside the shards. Never change a column's meaning without bumping the version.
+This module is the contract with other teams: every column is documented here and rendered into the dataset card
+(``README.md``) written beside the shards. Never change a column's meaning without bumping the version.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from typing import Any, Dict, List, Optional
 import pyarrow as pa
 
 PROMPTS_SCHEMA_VERSION = "1"
-LABELS_SCHEMA_VERSION = "1"
+LABELS_SCHEMA_VERSION = "2"
+# Versions validate and train still read. v1 stored `logits` as float16, which DuckDB cannot read with
+# byte-stream-split; v2 stores the same float16-rounded values as float32 (benchmarks/logits_storage.py).
+READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2")
+LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32()}
 META_PREFIX = "blockpilot."
 
 
@@ -42,8 +46,10 @@ LABEL_COLUMNS: List[tuple] = [
     ("prompt_id", pa.string(), "Id of the prompt (as in the prompt shards)."),
     ("source", pa.string(), "Prompt source name."),
     ("prompt_tokens", pa.int32(), "Number of prompt tokens the target read."),
-    ("logits", lambda v: pa.list_(pa.float16(), v),
-     "fixed_size_list<float16>[V]: the target's RAW logits at the last prefill position over the full vocabulary "
+    ("logits", lambda v: pa.list_(pa.float32(), v),
+     "fixed_size_list<float32>[V]: the target's RAW logits at the last prefill position over the full vocabulary "
+     "(rounded to float16 precision, stored as float32 so that every Parquet reader reads it; schema v1 stored "
+     "float16) "
      "(before temperature or softmax); the policy's input feature."),
     ("candidates", pa.list_(pa.int16()), "Candidate block sizes b = B-k .. B+k, ascending. The lists below align "
      "with it."),
@@ -65,10 +71,13 @@ LABEL_COLUMNS: List[tuple] = [
 ]
 
 
-def labels_schema(vocab_size: int) -> pa.Schema:
+def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
+    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type)."""
     fields = []
     for name, typ, _ in LABEL_COLUMNS:
-        fields.append(pa.field(name, typ(vocab_size) if callable(typ) else typ))
+        if name == "logits":
+            typ = pa.list_(LOGITS_TYPES[version], vocab_size)
+        fields.append(pa.field(name, typ))
     return pa.schema(fields)
 
 
@@ -106,7 +115,7 @@ def decode_metadata(raw: Optional[Dict[bytes, bytes]]) -> Dict[str, Any]:
 def _column_table(columns) -> str:
     rows = ["| column | type | meaning |", "| --- | --- | --- |"]
     for name, typ, doc in columns:
-        t = "fixed_size_list<float16>[V]" if callable(typ) else str(typ)
+        t = "fixed_size_list<float32>[V]" if callable(typ) else str(typ)
         rows.append(f"| `{name}` | `{t}` | {doc} |")
     return "\n".join(rows)
 
@@ -133,11 +142,15 @@ by really decoding at every candidate block size b in {{B-k .. B+k}}, with the b
 rows and sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it. The folder layout,
 the manifest's keys and the rejects layout are at the end of this card.
 
-Read it with `polars.scan_parquet("DIR/part-*.parquet")` (`logits` is an `Array(Float16, V)` column),
-`pyarrow.parquet.read_table("DIR/part-00000.parquet")`, or
-`datasets.load_dataset("parquet", data_dir="DIR", data_files="part-*.parquet")`. Name the shard files as shown:
-the folder also holds this card, `manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every
-file in the folder (HF's `data_dir=` alone, Spark-style) would try to parse as Parquet.
+Read it with `datasets.load_dataset("DIR")` (this card's front matter names the shards, so the folder can also be
+uploaded to the Hub unchanged), `polars.scan_parquet("DIR/part-*.parquet")` (`logits` is an `Array(Float32, V)`
+column), `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, pandas, or DuckDB
+(`SELECT * FROM 'DIR/part-*.parquet'`). Glob the shards as shown: the folder also holds this card,
+`manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every file in it would try to parse.
+
+Schema v2 stores `logits` as float32 holding float16-rounded values (v1 stored float16, which DuckDB cannot read
+with byte-stream-split encoding). The values are the same; `blockpilot validate` and `blockpilot train` read both
+versions.
 
 ## Columns
 

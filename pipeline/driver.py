@@ -59,7 +59,17 @@ REJECTS = "rejects.jsonl"  # every reject of the stage, in one file
 REJECTS_DIR = "_rejects"  # per-shard reject files; the leading underscore keeps Parquet globs out of it
 INPUT_REJECTS = "input.jsonl"  # rows rejected before sharding (prepare's bad source rows)
 SUMMARY = "summary.json"
-CARD = "dataset_card.md"
+CARD = "README.md"  # the Hugging Face dataset-repo convention: the card, with YAML front matter naming the shards
+# So that `datasets.load_dataset(DIR)` (and the Hub, once uploaded unchanged) reads the shards and nothing else in
+# the folder: manifest.json, rejects.jsonl, _SUCCESS and _rejects/ are not data files.
+FRONT_MATTER = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: "part-*.parquet"
+---
+"""
 CONFIG_FILES = ("config.yaml", "config.sha256")
 
 # Documented once; rendered into every dataset card (see :func:`layout_doc`).
@@ -75,6 +85,7 @@ LAYOUT_DOC = f"""## Folder layout (every stage)
 | `{SUMMARY}` | the last run's summary: the manifest's counts plus timings, workers and the stage's own results |
 | `{FINGERPRINT}` | the config values that shaped the output; a rerun with other values is refused unless `force=true` |
 | `config.yaml`, `config.sha256` | the resolved config of the last run and its sha256 |
+| `{CARD}` | this card; its YAML front matter names the shards, so `datasets.load_dataset(DIR)` reads them alone |
 | `{SUCCESS}` | empty; written last, once every shard is present and valid |
 
 A reject is one JSON object per line: `prompt_id` and `source` where known, `reason`, `detail`, and `worker`
@@ -384,7 +395,7 @@ class StageFolder:
 
     def complete(self, summary: Dict[str, Any], card: Optional[str] = None) -> None:
         if card is not None:
-            write_text_atomic(card, self.path / CARD)
+            write_text_atomic(FRONT_MATTER + card, self.path / CARD)
         write_json_atomic(summary, self.path / SUMMARY)
         mark_complete(self.path)  # last: everything above is in place
 

@@ -1,4 +1,4 @@
-"""``blockpilot validate DIR``: check a label dataset against its manifest and schema v1.
+"""``blockpilot validate DIR``: check a label dataset against its manifest and its label schema (v2, or v1).
 
 Every violation is one problem line that starts with the file it concerns; any problem means exit status 1.
 
@@ -12,7 +12,8 @@ Every violation is one problem line that starts with the file it concerns; any p
   summary's ``input_rows_check`` says so) and that is not a problem. An entry without ``input_rows`` IS a problem
   when other entries of the same manifest have it: the driver writes it for every file or for none, so such a
   manifest was edited or assembled from two runs.
-* **The schema.** ``blockpilot.schema_version`` and the exact label schema v1 (column names and types).
+* **The schema.** ``blockpilot.schema_version`` (2, or 1: v1 sets stay readable) and the exact label schema of
+  that version (column names and types).
 * **The rows.** No nulls; candidates as in the shard's metadata; tau one value per candidate, finite and >= 1;
   ``label_block_size`` (with ``label_index``) and ``label_speedup_block_size`` within the candidates; logits
   finite; prompt ids unique across the whole folder (a duplicate names every file it is in).
@@ -32,7 +33,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import pyarrow.parquet as pq
 
-from .dataset import LABELS_SCHEMA_VERSION, decode_metadata, labels_schema
+from .dataset import LABELS_SCHEMA_VERSION, READABLE_LABELS_SCHEMA_VERSIONS, decode_metadata, labels_schema
 from .driver import REJECTS, REJECTS_DIR
 from .shards import MANIFEST, file_sha256, is_complete, list_shards, read_jsonl
 
@@ -140,13 +141,16 @@ def validate_dataset(folder: str) -> ValidationReport:
                 bad(f"{p.name}: sha256 differs from the manifest (file changed or corrupted)")
             if accounting:
                 _check_accounting(root, p.name, pf.metadata.num_rows, entry, bad)
-        if str(meta.get("schema_version")) != LABELS_SCHEMA_VERSION:
-            bad(f"{p.name}: schema_version {meta.get('schema_version')!r}, expected {LABELS_SCHEMA_VERSION}")
+        version = str(meta.get("schema_version"))
+        if version not in READABLE_LABELS_SCHEMA_VERSIONS:
+            bad(f"{p.name}: schema_version {meta.get('schema_version')!r}, expected one of "
+                f"{', '.join(READABLE_LABELS_SCHEMA_VERSIONS)}")
+            version = LABELS_SCHEMA_VERSION
         vocab = meta.get("vocab_size")
-        expected = labels_schema(int(vocab)) if vocab else None
+        expected = labels_schema(int(vocab), version) if vocab else None
         got = pf.schema_arrow.remove_metadata()
         if expected is None or not got.equals(expected):
-            bad(f"{p.name}: schema does not match label schema v{LABELS_SCHEMA_VERSION}")
+            bad(f"{p.name}: schema does not match label schema v{version}")
             continue
         try:
             for batch in pf.iter_batches(batch_size=256):

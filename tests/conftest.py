@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,31 @@ def blockpilot(*args, timeout=600, **kw):
     """Run the CLI in a fresh process (its own local Ray: ray.address=local)."""
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, **kw)
+
+
+@pytest.fixture(scope="session")
+def real_labels(tmp_path_factory):
+    """A real label set without Ray: prepare + label of 8 bundled prompts (2 shards of 4) on the tiny pair, through
+    the stage driver's in-process executor. Read-only: tests copy it before damaging it."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.driver import LocalExecutor, run_stage
+    from stages.label import LabelStage
+    from stages.prepare import PrepareStage
+
+    out = tmp_path_factory.mktemp("real-labels")
+    cfg = load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4",
+                       "prepare.limit=8", "label.cost_probe_steps=2"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny pair gains nothing from more; on a busy 2-core box more threads spin (10x)
+    try:
+        run_stage(PrepareStage(cfg), LocalExecutor())
+        run_stage(LabelStage(cfg), LocalExecutor())
+    finally:
+        torch.set_num_threads(threads)
+    labels = out / "labels"
+    manifest = json.loads((labels / "manifest.json").read_text())
+    assert [(f["file"], f["rows"], f["rejects"], f["input_rows"]) for f in manifest["files"]] == \
+        [("part-00000.parquet", 4, 0, 4), ("part-00001.parquet", 4, 0, 4)]
+    return labels

@@ -14,6 +14,7 @@ import pytest
 from pipeline.config import load_config
 from pipeline.dataset import decode_metadata
 from pipeline.driver import (
+    FRONT_MATTER,
     INPUT_REJECTS,
     LAYOUT_DOC,
     MANIFEST_VERSION,
@@ -141,8 +142,9 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     saved = json.loads((out / "summary.json").read_text())
     assert saved["rows"] == summary["rows"] == 7 and summary["rejects"] == 2 and summary["status"] == "done"
     assert summary["sum_of_squares"] == m["summary"]["sum_of_squares"]
-    card = (out / "dataset_card.md").read_text()
-    assert card.startswith("# Squares\n") and LAYOUT_DOC.strip() in card
+    card = (out / "README.md").read_text()
+    assert card.startswith(FRONT_MATTER + "# Squares\n") and LAYOUT_DOC.strip() in card
+    assert 'path: "part-*.parquet"' in FRONT_MATTER  # load_dataset(DIR) reads the shards and nothing else
     assert (out / "config.yaml").exists() and (out / "_SUCCESS").exists()
     assert stage.setups == 1  # once per worker, not per shard
 

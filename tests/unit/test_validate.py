@@ -1,7 +1,7 @@
 """``blockpilot validate DIR`` catches what the README promises, one defect at a time.
 
-A REAL label set (prepare + label on the bundled tiny pair, 2 shards of 4 prompts, the driver's in-process
-executor, no Ray) is built once per module; every test copies it, damages the copy in exactly one way (keeping each
+A REAL label set (tests/conftest.py's ``real_labels``: prepare + label on the bundled tiny pair, 2 shards of 4
+prompts, the driver's in-process executor, no Ray) is built once per session; every test copies it, damages the copy in exactly one way (keeping each
 rewritten shard's schema and schema metadata, and refreshing the manifest where the defect is about content only),
 runs the real CLI and checks: exit status 1, exactly one problem, and that problem names the file and the defect.
 """
@@ -20,32 +20,6 @@ from pipeline.cli import main
 from pipeline.shards import MANIFEST, file_sha256
 
 S0, S1 = "part-00000.parquet", "part-00001.parquet"
-
-
-@pytest.fixture(scope="module")
-def real_labels(tmp_path_factory):
-    from pipeline.config import load_config
-    from pipeline.driver import LocalExecutor, run_stage
-    from stages.label import LabelStage
-    from stages.prepare import PrepareStage
-
-    import torch
-
-    out = tmp_path_factory.mktemp("run")
-    cfg = load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4",
-                       "prepare.limit=8", "label.cost_probe_steps=2"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny pair gains nothing from more; on a busy 2-core box more threads spin (10x)
-    try:
-        run_stage(PrepareStage(cfg), LocalExecutor())
-        run_stage(LabelStage(cfg), LocalExecutor())
-    finally:
-        torch.set_num_threads(threads)
-    labels = out / "labels"
-    manifest = json.loads((labels / MANIFEST).read_text())
-    assert [(f["file"], f["rows"], f["rejects"], f["input_rows"]) for f in manifest["files"]] == \
-        [(S0, 4, 0, 4), (S1, 4, 0, 4)]
-    return labels
 
 
 @pytest.fixture
@@ -248,7 +222,7 @@ def test_nan_logits(labels, capsys):
         flat = col.flatten().to_numpy(zero_copy_only=False).copy()
         flat[1 * vocab + 7] = np.nan  # one value of row 1
         i = t.schema.get_field_index("logits")
-        arr = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float16()), vocab)
+        arr = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=col.type.value_type), vocab)
         return t.set_column(i, t.schema.field(i), arr)
 
     rewrite(labels, S0, poison)

@@ -3,7 +3,7 @@
     blockpilot STAGE [-c FILE.yaml] [key=value ...]
     blockpilot validate DIR
 
-Config is merged as schema <- conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
+Config is merged as schema <- pipeline/conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from .config import ConfigError, PipelineConfig, load_config, to_yaml
 
 EPILOG = """\
 config: one typed schema (pipeline/config.py) merged as
-  schema <- conf/default.yaml <- -c FILE.yaml <- key=value overrides.
+  schema <- pipeline/conf/default.yaml <- -c FILE.yaml <- key=value overrides.
+  -c takes a path or a packaged published config by name, e.g. -c published:qwen3-8b
+  (pipeline/conf/published/: qwen3-4b, qwen3-8b, llama3.1-8b-instruct, qwen3-coder-30b-a3b).
 Overrides use dotted keys, e.g.
   blockpilot label output_dir=runs/exp1 decode.max_new_tokens=256 label.k=1
   blockpilot prepare 'prepare.sources=[{name: mine, kind: jsonl, path: data/p.jsonl, field: text}]'
@@ -35,14 +37,14 @@ def _stage_help(name: str) -> str:
     text = f"{info.summary}\n"
     try:
         cfg = load_config()
-    except ConfigError as err:  # help must still print with a broken conf/default.yaml
+    except ConfigError as err:  # help must still print with a broken pipeline/conf/default.yaml
         return text + f"\n(default config does not load: {err})"
     from omegaconf import OmegaConf
 
     node = OmegaConf.structured(cfg)
     shown = {k: OmegaConf.to_container(node[k]) if OmegaConf.is_config(node[k]) else node[k]
              for k in ("output_dir", "force", "progress", *info.sections)}
-    return text + ("\nkeys it reads (defaults from conf/default.yaml; override with key=value):\n"
+    return text + ("\nkeys it reads (defaults from pipeline/conf/default.yaml; override with key=value):\n"
                    + OmegaConf.to_yaml(shown))
 
 
@@ -58,13 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     for name, info in STAGES.items():
         p = sub.add_parser(name, help=info.summary, description=_stage_help(name),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("-c", "--config", help="YAML file merged over conf/default.yaml")
+        p.add_argument("-c", "--config", metavar="FILE|published:NAME",
+                       help="a YAML file, or published:NAME (a packaged published config, e.g. published:qwen3-8b), "
+                       "merged over the packaged default (pipeline/conf/default.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("-q", "--quiet", action="count", default=0, help="warnings, errors and the final summary only")
+        p.add_argument("-v", "--verbose", action="count", default=0,
+                       help="debug lines, and Ray's, Ray Train's, Ray Data's and transformers' own logs")
     v = sub.add_parser("validate", help="check a label dataset folder against its manifest and schema",
                        description="Check a label dataset (row counts, sha256, labels within candidates, finite "
                        "tau >= 1 and logits, unique ids) and print its summary. Exit status 1 on any violation.")
     v.add_argument("dir", help="the label folder (e.g. runs/default/labels)")
+    from .submit import SUBMIT_DESCRIPTION, add_arguments
+
+    s = sub.add_parser("submit", help="run a stage on a Ray cluster as a Ray job (uploads the checkout's tracked "
+                       "top-level folders, never venvs or untracked data)", description=SUBMIT_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(s)
     return parser
 
 
@@ -76,6 +89,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         report = validate_dataset(args.dir)
         print(report.render())
         return 0 if report.ok else 1
+    if args.stage == "submit":
+        from .submit import submit_command
+
+        return submit_command(args)
+    from .log import setup
+
+    setup(max(-1, min(1, args.verbose - args.quiet)))
     try:
         cfg = load_config(args.overrides, args.config)
     except ConfigError as err:

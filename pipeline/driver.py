@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import __version__
+from .log import get as log
 from .dataset import decode_metadata, encode_metadata
 from .shards import (
     FINGERPRINT,
@@ -234,23 +235,36 @@ class ShardStage:
 # ---- progress ----------------------------------------------------------------------------------------------------
 
 class Progress:
-    """Periodic one-line progress: done/total, rate, ETA."""
+    """Progress of a stage's shards: a tqdm bar when stdout is a terminal, else one line per update (done/total,
+    rate, ETA, what finished), which is what a log file or `ray job logs` wants."""
 
     def __init__(self, name: str, total: int, unit: str = "prompts", every: float = 5.0, enabled: bool = True):
+        import sys
+
         self.name, self.total, self.unit, self.every, self.enabled = name, total, unit, every, enabled
         self.done = 0
         self.t0 = self._last = time.monotonic()
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=unit, desc=f"[{name}]", dynamic_ncols=True)
 
     def update(self, n: int, extra: str = "", force: bool = False) -> None:
         self.done += n
+        if self.bar is not None:
+            self.bar.set_postfix_str(extra[:60], refresh=False)
+            self.bar.update(n)
+            if self.done >= self.total:
+                self.bar.close()
+            return
         now = time.monotonic()
         if self.enabled and (force or now - self._last >= self.every or self.done >= self.total):
             self._last = now
             rate = self.done / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
             eta_s = f"{eta:,.0f}s" if eta != float("inf") else "?"
-            print(f"[{self.name}] {self.done}/{self.total} {self.unit} ({rate:.2f}/s, ETA {eta_s}) {extra}".rstrip(),
-                  flush=True)
+            log(self.name).info(f"{self.done}/{self.total} {self.unit} ({rate:.2f}/s, ETA {eta_s}) {extra}".rstrip())
 
 
 # ---- one task, wherever it runs -----------------------------------------------------------------------------------
@@ -300,8 +314,7 @@ class LocalExecutor:
                     break
                 except Exception as err:  # noqa: BLE001 - one shard's failure must not stop the others
                     error = f"{type(err).__name__}: {err}"
-                    print(f"[{stage.name}] {task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}",
-                          flush=True)
+                    log(stage.name).warning(f"{task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}")
             else:
                 failures.append(f"{task.name}: {error}")
                 done(task, None, error)
@@ -361,7 +374,7 @@ class StageFolder:
 
     def skipped(self, summary: Dict[str, Any], t0: float) -> Dict[str, Any]:
         rows = f" ({summary['rows']} rows)" if "rows" in summary else ""
-        print(f"[{self.stage}] {self.path}: skipped: complete{rows}", flush=True)
+        log(self.stage).info(f"{self.path}: skipped: complete{rows}")
         return {**summary, "status": "skipped: complete", "skipped": True,
                 "wall_seconds": round(time.monotonic() - t0, 2)}
 
@@ -370,8 +383,7 @@ class StageFolder:
         if fingerprint is None:
             return
         if check_fingerprint(self.path, fingerprint, force, self.has_output()):
-            print(f"[{self.stage}] force=true: config changed, discarding the earlier output in {self.path}",
-                  flush=True)
+            log(self.stage).warning(f"force=true: config changed, discarding the earlier output in {self.path}")
             self.discard()
 
     def discard(self) -> None:
@@ -480,8 +492,7 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     manifest = write_manifest(stage, plan.tasks, fp, execution.workers)
     if execution.failures:
         names = [f.split(":", 1)[0] for f in execution.failures]
-        print(f"[{stage.name}] {len(names)} shard(s) failed: {names}; rerun `blockpilot {stage.name}` to retry "
-              "them", flush=True)
+        log(stage.name).error(f"{len(names)} shard(s) failed: {names}; rerun `blockpilot {stage.name}` to retry them")
         raise RuntimeError(f"{stage.name}: {len(names)} shard(s) failed after retries: "
                            + "; ".join(execution.failures))
     if manifest["rows"] == 0 and manifest["rejects"]:
@@ -509,8 +520,8 @@ def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTa
     todo = [t for t in plan.tasks if not output_shard_valid(
         Path(t.output), t.rows, Path(t.rejects), stamp["fingerprint_sha256"], stage.rows_per_input)]
     described = f"{stage.describe()}: " if stage.describe() else ""
-    print(f"[{stage.name}] {described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
-          f"{stage.unit}) to do", flush=True)
+    log(stage.name).info(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
+                         f"{stage.unit}) to do")
     return todo
 
 
@@ -541,10 +552,10 @@ def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], 
     card = stage.card(manifest)
     folder.complete(summary, None if card is None else card.rstrip("\n") + "\n\n" + layout_doc())
     reasons = ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) or "none"
-    print(f"[{stage.name}] done: {summary['rows']} rows in {summary['shards']} shard(s); "
-          f"{summary['rejects']} rejects ({reasons}); {summary['wall_seconds']} s -> {stage.folder}", flush=True)
+    log(stage.name).info(f"done: {summary['rows']} rows in {summary['shards']} shard(s); {summary['rejects']} "
+                         f"rejects ({reasons}); {summary['wall_seconds']} s -> {stage.folder}")
     for line in stage.summary_lines(summary):
-        print(f"[{stage.name}] {line}", flush=True)
+        log(stage.name).info(line)
     return summary
 
 

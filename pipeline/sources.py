@@ -555,7 +555,7 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
         cap = effective_limit(src, limit)
         s_reasons: Counter = Counter()
         read = accepted = 0
-        log(f"[{section}] source {src.name!r}: kind {src.kind}, path {src.path}"
+        log(f"source {src.name!r}: kind {src.kind}, path {src.path}"
             + (f", limit {cap}" if cap is not None else ""))
 
         def reject(r: Reject) -> None:
@@ -609,7 +609,7 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
         if accepted == 0:
             stats["notes"].append(f"source {src.name!r}: no prompt accepted")
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s_reasons.items())) or "none"
-        log(f"[{section}] source {src.name!r}: {read} rows read, {accepted} accepted, rejects: {reasons}"
+        log(f"source {src.name!r}: {read} rows read, {accepted} accepted, rejects: {reasons}"
             + (" (limit reached)" if limit_reached else "") + f" [{time.time() - t0:.1f}s]")
 
     stats["rejects_by_reason"] = dict(sorted(by_reason.items()))

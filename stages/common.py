@@ -4,12 +4,14 @@ stage driver (:mod:`pipeline.driver`)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from pipeline.config import RayConfig
 from pipeline.driver import Done, Execution, ShardStage, ShardTask, Worker, run_stage, run_task
+from pipeline.log import get as log
 
 
 def init_ray(cfg: RayConfig):
@@ -18,7 +20,12 @@ def init_ray(cfg: RayConfig):
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True)
+        from pipeline.log import ray_logging_config, verbosity
+
+        # Ray's own INFO lines (driver and workers) only with -v: a default run stays readable.
+        kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True,
+                      logging_level=logging.INFO if verbosity() >= 1 else logging.WARNING,
+                      logging_config=ray_logging_config())
         address = cfg.address or os.environ.get("RAY_ADDRESS")
         if address and address != "local":
             ray.init(address=address, **kwargs)
@@ -109,7 +116,7 @@ class RayActorPool:
         for info in infos:
             shown = " ".join(f"{k}={json.dumps(v)}" for k, v in info.items()
                              if k not in ("identity", "pid", "node_id", "gpu_ids"))
-            print(f"[{stage.name}] worker {info['identity']} pid={info['pid']} {shown}", flush=True)
+            log(stage.name).info(f"worker {info['identity']} pid={info['pid']} {shown}")
         queue = list(tasks)
         inflight = {}
         failures: List[str] = []

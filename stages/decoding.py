@@ -59,7 +59,10 @@ class DecodingStage(ShardStage):
         """``(row, measure(row))`` for every prompt row of a shard; a row whose measure raises is rejected."""
         import torch
 
+        from pipeline.log import verbosity
+
         t0 = time.perf_counter()
+        verbose = self.cfg.progress and verbosity() >= 1
         for i, rec in enumerate(table.to_pylist()):
             try:
                 result = measure(rec)
@@ -69,7 +72,7 @@ class DecodingStage(ShardStage):
                 rejects.add(rec, "decode_error", f"{type(err).__name__}: {err}")
                 continue
             yield rec, result
-            if self.cfg.progress and (i + 1) % 16 == 0:
+            if verbose and (i + 1) % 16 == 0:  # inside a shard, with -v only: the driver reports every shard
                 print(f"[{self.name} {self.worker.identity}] {Path(shard).name}: {i + 1}/{table.num_rows} prompts "
                       f"({(i + 1) / (time.perf_counter() - t0):.2f}/s)", flush=True)
 

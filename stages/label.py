@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.dataset import LABELS_SCHEMA_VERSION, encode_metadata, labels_card, labels_schema
 from pipeline.driver import Rejects, Worker
+from pipeline.log import get as log
 from pipeline.shards import MANIFEST, file_sha256
 
 from .common import execute
@@ -66,7 +67,7 @@ def resolve_mode(cfg: PipelineConfig) -> str:
     if cfg.label.mode == "replay":
         raise ConfigError(f"config key 'label.mode': replay does not model {why} (draft {cfg.model.draft!r}); "
                           "use label.mode=exhaustive or auto")
-    print(f"[label] mode auto: exhaustive, because replay does not model {why}", flush=True)
+    log("label").info(f"mode auto: exhaustive, because replay does not model {why}")
     return "exhaustive"
 
 

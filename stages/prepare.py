@@ -23,6 +23,7 @@ import pyarrow as pa
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.dataset import PROMPTS_SCHEMA, PROMPTS_SCHEMA_VERSION, prompts_card
 from pipeline.driver import Plan, Rejects, ShardStage, numbered_tasks
+from pipeline.log import get as get_log
 from pipeline.sources import build_prompts, validate_sources
 
 from .common import execute
@@ -60,7 +61,7 @@ class PrepareStage(ShardStage):
         from pipeline.models import load_tokenizer
 
         p = self.cfg.prepare
-        log = (lambda msg: print(msg, flush=True)) if self.cfg.progress else None
+        log = get_log(self.section).info if self.cfg.progress else None
         rows, rejects, self.stats = build_prompts(
             self.sources, load_tokenizer(self.cfg.model), p.max_prompt_tokens,
             apply_chat_template=p.apply_chat_template, enable_thinking=self.cfg.model.enable_thinking,

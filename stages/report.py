@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeline.config import PipelineConfig
 from pipeline.driver import StageFolder
+from pipeline.log import get as log
 from pipeline.shards import is_complete, list_shards, write_text_atomic
 
 
@@ -206,5 +207,5 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
                "plots": sorted(p.name for p in out.glob("*.png")), "headline": headline(root),
                "wall_seconds": round(time.monotonic() - t0, 1)}
     folder.complete(summary)
-    print(f"[report] {out / 'report.md'} ({', '.join(done)})", flush=True)
+    log("report").info(f"{out / 'report.md'} ({', '.join(done)})")
     return summary

@@ -10,6 +10,7 @@ import time
 from typing import Any, Dict
 
 from pipeline.config import PipelineConfig
+from pipeline.log import get as log
 
 ORDER = ("prepare", "label", "train", "evaluate", "report")
 
@@ -20,10 +21,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
     summaries: Dict[str, Any] = {}
     for name in ORDER:
-        print(f"[run] === {name} ===", flush=True)
+        log("run").info(f"=== {name} ===")
         t = time.monotonic()
         summaries[name] = STAGES[name].load()(cfg)
-        print(f"[run] {name} finished in {time.monotonic() - t:.1f} s", flush=True)
+        log("run").info(f"{name} finished in {time.monotonic() - t:.1f} s")
     report = summaries["report"]
     h = report.get("headline", {})
     wall = round(time.monotonic() - t0, 1)

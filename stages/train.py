@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 from pipeline.config import PipelineConfig
 from pipeline.dataset import decode_metadata
 from pipeline.driver import StageFolder
+from pipeline.log import get as log
+from pipeline.log import ray_train_logging_config
 from pipeline.policy import is_val
 from pipeline.shards import MANIFEST, file_sha256, list_shards, write_jsonl_atomic
 from pipeline.validate import validate_dataset
@@ -170,14 +172,65 @@ class Checkpointer:
 
 def log_metrics(history: List[Dict[str, Any]], config: Dict[str, Any], rank: int) -> None:
     """After the report, so the file never runs ahead of the checkpoints; the whole history each time, so a resumed
-    run rewrites it and never duplicates an epoch."""
-    if rank != 0:
-        return
-    metrics = history[-1]
-    if config["progress"]:
-        shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
-        print(f"[train] epoch {metrics['epoch'] + 1}/{config['train']['epochs']} {shown}", flush=True)
-    write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
+    run rewrites it and never duplicates an epoch. The driver shows it (:class:`EpochLog`): a worker's own prints
+    reach the driver through Ray's log streaming, once per worker and sometimes twice."""
+    if rank == 0:
+        write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
+
+
+class EpochLog:
+    """On the driver, while ``trainer.fit()`` runs: follows metrics.jsonl and logs one line every ``every`` epochs
+    (about ten lines a run) and the last one."""
+
+    def __init__(self, path: Path, epochs: int, enabled: bool):
+        import threading
+
+        self.path, self.epochs, self.enabled = path, epochs, enabled
+        self.every = max(1, epochs // 10)
+        self.shown = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.enabled:
+            self._thread.join(timeout=5)
+            self._show()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(1.0):
+            self._show()
+
+    def _show(self) -> None:
+        try:
+            history = [json.loads(x) for x in self.path.read_text().splitlines()]
+        except (OSError, ValueError):  # not written yet, or mid-replace
+            return
+        for m in history:
+            e = m["epoch"]
+            if e > self.shown and ((e + 1) % self.every == 0 or e + 1 == self.epochs):
+                shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
+                log("train").info(f"epoch {e + 1}/{self.epochs} {shown}")
+                self.shown = e
+
+
+def _quiet_ray_train_reports() -> None:
+    """Ray Train logs "Reporting training result ..." (a full repr of every report) through a logger named by its
+    file path, which its own log_level filter (RunConfig.logging_config, for ``ray.train.*``) misses: quiet it here,
+    on the worker, unless -v."""
+    import logging
+
+    from pipeline.log import verbosity
+
+    if verbosity() < 1:
+        from ray.train.v2._internal.execution import context
+
+        logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 def train_loop(config: Dict[str, Any]) -> None:
@@ -187,6 +240,7 @@ def train_loop(config: Dict[str, Any]) -> None:
 
     from pipeline.policy import BlockSizeMLP
 
+    _quiet_ray_train_reports()
     t = config["train"]
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(t["seed"] + rank)
@@ -295,11 +349,13 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
             name=RUN_NAME, storage_path=str(train_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            logging_config=ray_train_logging_config(),
         ),
     )
-    print(f"[train] {int((~val_mask).sum())} train / {int(val_mask.sum())} val rows, candidates {candidates}, "
-          f"V={vocab}, {cfg.train.epochs} epochs, {cfg.train.num_workers} worker(s), gpu={use_gpu}", flush=True)
-    result = trainer.fit()
+    log("train").info(f"{int((~val_mask).sum())} train / {int(val_mask.sum())} val rows, candidates {candidates}, "
+                      f"V={vocab}, {cfg.train.epochs} epochs, {cfg.train.num_workers} worker(s), gpu={use_gpu}")
+    with EpochLog(train_dir / "metrics.jsonl", cfg.train.epochs, cfg.progress):
+        result = trainer.fit()
     summary = _export(cfg, result, train_dir, candidates, vocab, B, fp, fixed_index, majority, y, val_mask)
     summary.update(status="done", wall_seconds=round(time.monotonic() - t_start, 1))
     folder.complete(summary)
@@ -364,8 +420,8 @@ def _plot(history: List[Dict[str, Any]], path: Path) -> None:
 
 def _print_summary(s: Dict[str, Any]) -> None:
     f = s["final"]
-    print(f"[train] done: {s['epochs']} epochs -> {s['policy']}")
+    log("train").info(f"done: {s['epochs']} epochs -> {s['policy']}")
     if "val_accuracy" in f:
-        print(f"[train] val accuracy {f['val_accuracy']:.3f} (majority class {s['val_majority_accuracy']:.3f}); "
-              f"val mean tau: policy {f['val_tau_policy']:.3f}, best fixed b={s['best_fixed_block_size']} "
-              f"{f['val_tau_best_fixed']:.3f}, oracle {f['val_tau_oracle']:.3f}", flush=True)
+        log("train").info(f"val accuracy {f['val_accuracy']:.3f} (majority class {s['val_majority_accuracy']:.3f}); "
+                          f"val mean tau: policy {f['val_tau_policy']:.3f}, best fixed b={s['best_fixed_block_size']} "
+                          f"{f['val_tau_best_fixed']:.3f}, oracle {f['val_tau_oracle']:.3f}")

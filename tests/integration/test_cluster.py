@@ -11,6 +11,7 @@ per node), the label set validates, train finishes. Teardown kills the two ``ray
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -203,6 +204,62 @@ def test_train_job(trained):
     epochs = [json.loads(x)["epoch"] for x in (train / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [0, 1]
     assert (train / "policy" / "model.safetensors").exists()
+
+
+def _random_file(path, size: int) -> None:
+    """``size`` bytes of random data (incompressible, so no packaging can shrink them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    chunk = 8 * 1024 ** 2
+    with open(path, "wb") as f:
+        for left in range(size, 0, -chunk):
+            f.write(os.urandom(min(chunk, left)))
+
+
+def test_blockpilot_submit_leaves_big_untracked_folders_behind(cluster, tmp_path):
+    """``blockpilot submit`` with a 200 MB virtualenv and 150 MB of data lying untracked in the checkout: it
+    uploads only the tracked top-level folders and the prepare job succeeds, where the README's former
+    ``ray job submit --runtime-env-json '{"excludes": [".venv", "runs"]}'`` is refused by the job server (413)."""
+    tag = secrets.token_hex(4)
+    venv, data = REPO / f"venv-bp-test-{tag}", REPO / f"data-bp-test-{tag}"
+    try:
+        venv.mkdir()
+        (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
+        _random_file(venv / "lib" / "python3.11" / "site-packages" / "blob.bin", 200 * 1000 ** 2)
+        data.mkdir()
+        _random_file(data / "shard-0.bin", 150 * 1000 ** 2)
+
+        # Before: the README's raw form, whose excludes name .venv and runs only, uploads both folders.
+        raw_dir = tmp_path / "raw"
+        raw = Run([RAY, "job", "submit", "--address", cluster.url, "--working-dir", ".", "--runtime-env-json",
+                   json.dumps({"excludes": [".venv", "runs"]}), "--", PYTHON, "jobs/prepare.py",
+                   f"output_dir={raw_dir}", *SMALL], cluster.env)
+        raw.wait(300)
+        print(f"[submit] raw ray job submit: exit {raw.proc.returncode} in {time.monotonic() - raw.t0:.1f} s")
+        assert raw.proc.returncode != 0, raw.tail(40)
+        assert "413" in raw.output and "Maximum request body size" in raw.output, raw.tail(40)
+        assert not (raw_dir / "prompts").exists()
+        print("[submit] raw:", next(x for x in raw.lines if "413" in x))
+
+        # After: blockpilot submit chooses the excludes itself.
+        run_dir = tmp_path / "run"
+        run = Run([BLOCKPILOT, "submit", "prepare", f"output_dir={run_dir}", *SMALL, "--address", cluster.url,
+                   "--python", PYTHON], cluster.env)
+        run.wait(300)
+        print(f"[submit] blockpilot submit: exit {run.proc.returncode} in {time.monotonic() - run.t0:.1f} s")
+        assert run.proc.returncode == 0, run.tail(80)
+        assert "succeeded" in run.output.lower(), run.tail(80)
+        upload = [x for x in run.lines if x.startswith("blockpilot submit: uploading ")]
+        assert upload and " MiB (Ray's cap" in upload[0], run.tail(80)
+        print("[submit]", upload[0])
+        size_mib = float(upload[0].split(" files, ")[1].split(" MiB")[0])
+        assert size_mib < 100, upload[0]
+        assert f"{venv.name}/ (holds no tracked file)" in run.output, run.tail(80)
+        assert f"{data.name}/ (holds no tracked file)" in run.output, run.tail(80)
+        assert (run_dir / "prompts" / "_SUCCESS").exists()
+        assert json.loads((run_dir / "prompts" / "manifest.json").read_text())["rows"] == 16
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def test_teardown_leaves_no_cluster_process(cluster):

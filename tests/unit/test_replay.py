@@ -225,9 +225,18 @@ def test_replay_refuses_what_it_does_not_model_before_any_work(monkeypatch):
     assert "sliding_window" in replay_unsupported_config(no_window)
 
 
-def test_label_mode_auto_falls_back_to_exhaustive_where_replay_is_unproven(tmp_path, capsys):
+def test_label_mode_auto_falls_back_to_exhaustive_where_replay_is_unproven(tmp_path, caplog):
+    import logging
+
     from pipeline.config import ConfigError, load_config
     from stages.label import resolve_mode
+
+    caplog.set_level(logging.INFO, logger="blockpilot")
+
+    def said():
+        lines = [f"[{r.name.split('.', 1)[1]}] {r.getMessage()}" for r in caplog.records]
+        caplog.clear()
+        return lines
 
     def cfg_with(config, *overrides):
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
@@ -235,16 +244,16 @@ def test_label_mode_auto_falls_back_to_exhaustive_where_replay_is_unproven(tmp_p
         return load_config([f"model.draft={folder}", *overrides])
 
     sliding = make_pair(0, **SLIDING)[1].config
-    assert resolve_mode(cfg_with(sliding)) == "replay" and capsys.readouterr().out == ""
+    assert resolve_mode(cfg_with(sliding)) == "replay" and said() == []
     chunked = Qwen3Config.from_dict({**sliding.to_dict(), "layer_types": ["chunked_attention", "full_attention"]})
     assert resolve_mode(cfg_with(chunked)) == "exhaustive"
-    out = capsys.readouterr().out.strip().splitlines()
+    out = said()
     assert len(out) == 1 and out[0].startswith("[label] mode auto: exhaustive, because replay does not model")
     assert "chunked_attention" in out[0]
     with pytest.raises(ConfigError, match="label.mode.*chunked_attention"):
         resolve_mode(cfg_with(chunked, "label.mode=replay"))
     other = Qwen3Config.from_dict({**sliding.to_dict(), "architectures": ["EagleDraft"]})
-    assert resolve_mode(cfg_with(other)) == "exhaustive" and "EagleDraft" in capsys.readouterr().out
+    assert resolve_mode(cfg_with(other)) == "exhaustive" and "EagleDraft" in " ".join(said())
     # Sampling never replays, whatever the draft; exhaustive never reads it.
     assert resolve_mode(load_config(["model.draft=/nonexistent", "decode.temperature=0.7"])) == "exhaustive"
     assert resolve_mode(load_config(["model.draft=/nonexistent", "label.mode=exhaustive"])) == "exhaustive"

@@ -71,6 +71,28 @@ LABEL_COLUMNS: List[tuple] = [
 ]
 
 
+# ---- evaluation results (evaluate's output: one row per prompt x method) ---------------------------------------
+
+RESULT_COLUMNS = [
+    ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
+    ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
+    ("method", pa.string(), "AR, b=N, adaptive or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive or oracle."),
+    ("block_size", pa.int16(), "The block size decoded with (the policy's or the oracle's choice; 1 for AR)."),
+    ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
+    ("steps", pa.int32(), "Verify steps."),
+    ("new_tokens", pa.int32(), "Tokens generated."),
+    ("decode_seconds", pa.float32(), "Wall seconds of the decode (prefill excluded)."),
+    ("time_per_output_token", pa.float32(), "decode_seconds / new_tokens."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
+    ("policy_seconds", pa.float32(), "The policy MLP's latency (adaptive rows only)."),
+    ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
+     "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
+    ("worker", pa.string(), "Which worker decoded the prompt."),
+]
+RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
+
+
 def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
     """The label schema of ``version`` (v1 and v2 differ only in the logits' element type)."""
     fields = []

@@ -31,7 +31,8 @@ class AdaptiveDecoder:
 
     def choose(self, state: PrefillState) -> tuple:
         t0 = self.engine.now()
-        b = self.policy.choose(state.logits)
+        # A folded policy reads the final hidden state (H values), the plain one the logits (V values).
+        b = self.policy.choose(state.hidden if self.policy.reads_hidden else state.logits)
         return b, self.engine.now() - t0
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

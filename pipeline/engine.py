@@ -46,6 +46,9 @@ class PrefillState:
     target_cache: object  # DynamicCache holding exactly the n prompt positions
     context: torch.Tensor  # [1, n, len(target_layer_ids) * hidden]: the draft's context features
     prefill_seconds: float
+    # [H] the target's final (normed) hidden state at the last position: logits = lm_head(hidden). What a folded
+    # policy reads instead of the V logits (BlockSizePolicy.fold).
+    hidden: Optional[torch.Tensor] = None
 
     @property
     def num_input_tokens(self) -> int:
@@ -129,7 +132,7 @@ class Engine:
         context = extract_context_feature(out.hidden_states, self.draft.target_layer_ids)
         _crop_to(cache, n)
         seconds = self.now() - t0
-        return PrefillState(input_ids, out.logits[0, -1], cache, context, seconds)
+        return PrefillState(input_ids, out.logits[0, -1], cache, context, seconds, out.hidden_states[-1][0, -1].clone())
 
     def decode(
         self,

@@ -26,10 +26,6 @@ def shard_name(index: int, suffix: str = ".parquet") -> str:
     return f"part-{index:05d}{suffix}"
 
 
-def shard_index(path: Path) -> int:
-    return int(Path(path).name.split(".")[0].split("-")[1])
-
-
 def list_shards(folder: Path) -> list:
     return sorted(Path(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"))
 

@@ -166,9 +166,26 @@ class EvaluateStage(DecodingStage):
         summary = summarize(results, self.methods)
         summary.update({"candidates": self.candidates, "fixed_block_sizes": self.fixed,
                         "trained_block_size": self.block_size})
+        summary["comparisons"] = self.comparisons(results, summary)
         write_text_atomic(render_markdown(summary), self.folder / "summary.md")
         write_text_atomic(render_csv(summary), self.folder / "summary.csv")
         return summary
+
+    def comparisons(self, results: pa.Table, summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Adaptive against the fixed b a user could deploy without seeing these prompts (the one train chose on
+        the label set's train split, policy.json's best_fixed_block_size), and against the hindsight-best fixed b
+        on these very prompts (the fastest on average here), each with its bootstrap interval."""
+        fixed = [m for m in self.methods if m.startswith("b=")]
+        speed = summary["tables"]["speedup"]
+        hindsight = max(fixed, key=lambda m: speed[m]["average"] or 0)
+        chosen = self.policy_info.get("best_fixed_block_size")
+        out = []
+        if chosen is not None and f"b={chosen}" in fixed:
+            out.append({"against": f"b={chosen}", "chosen_on": "the label set's train split (by mean tau)",
+                        **gain_with_interval(results, "adaptive", f"b={chosen}")})
+        out.append({"against": hindsight, "chosen_on": "these evaluation prompts (hindsight, the fastest)",
+                    **gain_with_interval(results, "adaptive", hindsight)})
+        return out
 
     def card(self, manifest: Dict[str, Any]) -> str:
         rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in RESULT_COLUMNS)
@@ -227,6 +244,36 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
     }
 
 
+def gain_with_interval(results: pa.Table, method: str, baseline: str, reps: int = 2000, seed: int = 0
+                       ) -> Dict[str, Any]:
+    """Wall-clock gain of ``method`` over ``baseline``: mean time per output token of the baseline / the method's,
+    minus 1, per dataset and averaged over datasets, each with a 95 % percentile bootstrap interval over prompts
+    (prompts resampled with replacement within each dataset; a prompt's two rows stay paired)."""
+    import numpy as np
+    import polars as pl
+
+    df = pl.from_arrow(results).select("source", "prompt_id", "method", "time_per_output_token")
+    rng = np.random.default_rng(seed)
+    out: Dict[str, Any] = {}
+    boot = []
+    for ds in sorted(df["source"].unique().to_list()):
+        sub = df.filter(pl.col("source") == ds)
+        pair = (sub.filter(pl.col("method") == method).join(
+            sub.filter(pl.col("method") == baseline), on="prompt_id", suffix="_base").sort("prompt_id"))
+        a = pair["time_per_output_token"].to_numpy().astype(np.float64)
+        b = pair["time_per_output_token_base"].to_numpy().astype(np.float64)
+        idx = rng.integers(0, len(a), size=(reps, len(a)))
+        g = b[idx].mean(axis=1) / a[idx].mean(axis=1) - 1
+        boot.append(g)
+        out[ds] = {"gain": float(b.mean() / a.mean() - 1), "ci95": [float(np.percentile(g, 2.5)),
+                                                                     float(np.percentile(g, 97.5))],
+                   "prompts": int(len(a))}
+    avg = np.mean(boot, axis=0)
+    out["average"] = {"gain": float(np.mean([v["gain"] for v in out.values()])),
+                      "ci95": [float(np.percentile(avg, 2.5)), float(np.percentile(avg, 97.5))]}
+    return out
+
+
 def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "-" if v is None else f"{v:.{digits}f}{suffix}"
 
@@ -245,6 +292,13 @@ def render_markdown(s: Dict[str, Any]) -> str:
         for m in s["methods"]:
             vals = s["tables"][metric].get(m, {})
             out.append(f"| {m} | " + " | ".join(_fmt(vals.get(c), 2, suffix) for c in cols) + " |")
+        out.append("")
+    if s.get("comparisons"):
+        out += ["## Adaptive against a fixed block size (wall-clock gain, 95 % bootstrap interval over prompts)", "",
+                "| against | chosen on | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
+        for c in s["comparisons"]:
+            cells = [f"{c[ds]['gain']:+.1%} [{c[ds]['ci95'][0]:+.1%}, {c[ds]['ci95'][1]:+.1%}]" for ds in cols]
+            out.append(f"| {c['against']} | {c['chosen_on']} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 

@@ -179,7 +179,10 @@ def headline(output_dir: Path) -> Dict[str, Optional[float]]:
             "trained_b_speedup": sp[trained]["average"] if trained in tau else None,
             "best_fixed": best, "best_fixed_tau": tau[best]["average"] if best else None,
             "best_fixed_speedup": sp[best]["average"] if best else None,
-            "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"]}
+            "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"],
+            # adaptive / fixed - 1 on the average over the sets, with its 95 % bootstrap interval over prompts
+            "gains": [{"against": c["against"], "chosen_on": c["chosen_on"], "gain": c["average"]["gain"],
+                       "gain_ci95": c["average"]["ci95"]} for c in s.get("comparisons", [])]}
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:

@@ -36,5 +36,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         if h.get("trained_b"):
             line += f"; trained B ({h['trained_b']}) {h['trained_b_tau']:.2f} / {h['trained_b_speedup']:.2f}x"
         print(line, flush=True)
+        for g in h.get("gains", []):
+            print(f"[run] adaptive vs {g['against']} (chosen on {g['chosen_on']}): wall-clock gain {g['gain']:+.1%} "
+                  f"[{g['gain_ci95'][0]:+.1%}, {g['gain_ci95'][1]:+.1%}] (95 % bootstrap over prompts)", flush=True)
     return {"stage": "run", "report": report["report"], "headline": h, "wall_seconds": wall,
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}

@@ -257,6 +257,21 @@ def test_evaluate_results_and_summary(run_dir):
             (sum(tpot["AR"]) / len(tpot["AR"])) / (sum(tpot["b=8"]) / len(tpot["b=8"])), rel=1e-5)
     md = (out / "eval" / "summary.md").read_text()
     assert all(f"| {m} |" in md for m in methods)
+    # Adaptive against the train-chosen fixed b and the hindsight-fastest one, with intervals that hold the estimate.
+    comps = s["comparisons"]
+    from pipeline.policy import BlockSizePolicy
+
+    chosen = BlockSizePolicy.from_pretrained(out / "train" / "policy").info["best_fixed_block_size"]
+    assert [c["against"] for c in comps] == [f"b={chosen}", max(
+        [m for m in methods if m.startswith("b=")], key=lambda m: s["tables"]["speedup"][m]["average"])]
+    for c in comps:
+        for ds in [*s["datasets"], "average"]:
+            lo, hi = c[ds]["ci95"]
+            assert lo <= c[ds]["gain"] <= hi and hi - lo > 0, (c["against"], ds, c[ds])
+        ad, fx = (res.filter((pl.col("source") == "humaneval") & (pl.col("method") == m))["time_per_output_token"]
+                  .mean() for m in ("adaptive", c["against"]))
+        assert c["humaneval"]["gain"] == pytest.approx(fx / ad - 1, rel=1e-5)
+    assert "## Adaptive against a fixed block size" in md
     csv = (out / "eval" / "summary.csv").read_text().splitlines()
     assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 2 * len(methods)
 

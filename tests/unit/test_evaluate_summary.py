@@ -1,0 +1,47 @@
+"""evaluate's comparison of adaptive decoding with a fixed block size: the gain and its bootstrap interval."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from stages.evaluate import gain_with_interval
+
+
+def results(rows):
+    return pa.Table.from_pylist([{"source": s, "prompt_id": p, "method": m, "time_per_output_token": t}
+                                 for s, p, m, t in rows])
+
+
+def test_a_constant_ratio_has_that_gain_and_no_width():
+    rng = np.random.default_rng(0)
+    rows = []
+    for ds in ("a", "b"):
+        for i, t in enumerate(rng.uniform(1, 3, size=20)):
+            rows += [(ds, f"{ds}{i}", "adaptive", t), (ds, f"{ds}{i}", "b=8", 1.1 * t)]
+    g = gain_with_interval(results(rows), "adaptive", "b=8")
+    for key in ("a", "b", "average"):
+        assert g[key]["gain"] == pytest.approx(0.1) and g[key]["ci95"] == pytest.approx([0.1, 0.1])
+    assert g["a"]["prompts"] == 20
+
+
+def test_noise_gives_an_interval_around_the_estimate_that_narrows_with_more_prompts():
+    rng = np.random.default_rng(1)
+
+    def widths(n):
+        rows = []
+        for i in range(n):
+            t = rng.uniform(1, 3)
+            rows += [("a", str(i), "adaptive", t), ("a", str(i), "b=8", t * rng.uniform(0.9, 1.3))]
+        g = gain_with_interval(results(rows), "adaptive", "b=8")["a"]
+        lo, hi = g["ci95"]
+        assert lo < g["gain"] < hi and lo > 0  # a real, positive gain (mean ratio 1.1) is told apart from zero
+        return hi - lo
+
+    assert widths(400) < widths(25) / 2
+
+
+def test_rows_pair_by_prompt_whatever_their_order():
+    rows = [("a", "p1", "adaptive", 1.0), ("a", "p2", "adaptive", 2.0),
+            ("a", "p2", "b=8", 3.0), ("a", "p1", "b=8", 1.0)]
+    g = gain_with_interval(results(rows), "adaptive", "b=8")
+    assert g["a"]["gain"] == pytest.approx((1.0 + 3.0) / (1.0 + 2.0) - 1)

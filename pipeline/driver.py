@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from . import __version__
 from .log import get as log
-from .dataset import decode_metadata, encode_metadata
+from .dataset import encode_metadata
 from .shards import (
     FINGERPRINT,
     MANIFEST,
@@ -48,6 +48,7 @@ from .shards import (
     normalise,
     output_shard_valid,
     read_jsonl,
+    shard_intact,
     shard_name,
     write_json_atomic,
     write_jsonl_atomic,
@@ -363,11 +364,8 @@ class StageFolder:
             if manifest_path.exists():
                 manifest = json.loads(manifest_path.read_text())
                 sha = fingerprint_sha256(fingerprint)
-                for f in manifest["files"]:
-                    p = self.path / f["file"]
-                    if pq.read_metadata(p).num_rows != f["rows"] or \
-                            decode_metadata(pq.read_schema(p).metadata).get("fingerprint_sha256") != sha:
-                        return None
+                if not all(shard_intact(self.path / f["file"], f["rows"], sha) for f in manifest["files"]):
+                    return None
         except Exception:  # noqa: BLE001 - anything unreadable means: not complete, redo what is needed
             return None
         return summary

@@ -76,14 +76,21 @@ def load_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
+def draft_config(cfg: ModelConfig):
+    """The draft's config as the loader reads it, without weights: the one place that reads it (B, the draft class,
+    and what replay checks all come from here)."""
+    from dflash.model import DFlashDraftModel
+
+    return DFlashDraftModel.config_class.from_pretrained(resolve_location(cfg.draft), revision=cfg.draft_revision)
+
+
 def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     """The draft class its config names (``architectures``; none = DFlashDraftModel), so that a DFlash2 checkpoint
     gets its convolutions and candidate selector. Only dflash's own classes: no remote code."""
     import dflash.model
-    from transformers import PretrainedConfig
 
     location = resolve_location(cfg.draft)
-    archs = PretrainedConfig.from_pretrained(location, revision=cfg.draft_revision).architectures or []
+    archs = draft_config(cfg).architectures or []
     name = archs[0] if len(archs) == 1 else "DFlashDraftModel"
     if name not in DRAFT_ARCHITECTURES:
         raise ValueError(f"draft {cfg.draft!r}: architecture {archs} is not a dflash draft "

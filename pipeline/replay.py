@@ -92,11 +92,6 @@ def replay_unsupported_config(config) -> Optional[str]:
     return _layers_unsupported(config)
 
 
-def draft_config(location: str, revision: Optional[str] = None):
-    """A draft's config read as the loader reads it (no weights); ``location`` as models.resolve_location gives."""
-    return DFlashDraftModel.config_class.from_pretrained(location, revision=revision)
-
-
 def replay_unsupported(draft) -> Optional[str]:
     """None if replay is proven exact for this loaded draft, else what it does not model. Exact classes only: a
     subclass may change forward or propose, which replay re-implements around."""

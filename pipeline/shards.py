@@ -123,20 +123,24 @@ def fingerprint_sha256(fingerprint: Dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(normalise(fingerprint), sort_keys=True).encode()).hexdigest()
 
 
-def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
-                       rows_per_input: int = 1) -> bool:
-    """An output shard counts as done when its footer reads, it carries this config's fingerprint
-    (schema metadata ``blockpilot.fingerprint_sha256``), and its rows plus its rejects account for every input row."""
+def shard_intact(path: Path, rows: int, fp_sha: str) -> bool:
+    """The shard's footer reads, it holds ``rows`` rows, and it carries this config's fingerprint (schema metadata
+    ``blockpilot.fingerprint_sha256``). Reads the footer only."""
     from .dataset import decode_metadata
 
-    out_path = Path(out_path)
-    if not out_path.exists():
+    path = Path(path)
+    if not path.exists():
         return False
     try:
-        meta = pq.read_metadata(out_path)
-        info = decode_metadata(pq.read_schema(out_path).metadata)
+        meta = pq.read_metadata(path)
+        info = decode_metadata(pq.read_schema(path).metadata)
     except Exception:  # truncated or corrupted: regenerate
         return False
+    return meta.num_rows == rows and info.get("fingerprint_sha256") == fp_sha
+
+
+def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
+                       rows_per_input: int = 1) -> bool:
+    """An output shard counts as done when it is intact and its rows plus its rejects account for every input row."""
     rejected = len(read_jsonl(rejects_path)) if Path(rejects_path).exists() else 0
-    return (info.get("fingerprint_sha256") == fp_sha
-            and meta.num_rows == (input_rows - rejected) * rows_per_input)
+    return shard_intact(out_path, (input_rows - rejected) * rows_per_input, fp_sha)

@@ -41,12 +41,10 @@ def trained_block_size(cfg: PipelineConfig) -> int:
     if cfg.label.block_size:
         return int(cfg.label.block_size)
     from dflash.model import _draft_value
-    from transformers import PretrainedConfig
 
-    from pipeline.models import resolve_location
+    from pipeline.models import draft_config
 
-    draft_cfg = PretrainedConfig.from_pretrained(resolve_location(cfg.model.draft), revision=cfg.model.draft_revision)
-    return int(_draft_value(draft_cfg, "block_size", 16))
+    return int(_draft_value(draft_config(cfg.model), "block_size", 16))
 
 
 def resolve_mode(cfg: PipelineConfig) -> str:
@@ -55,11 +53,11 @@ def resolve_mode(cfg: PipelineConfig) -> str:
     model fails here."""
     if cfg.label.mode == "exhaustive" or (cfg.label.mode == "auto" and cfg.decode.temperature > 0):
         return "exhaustive"
-    from pipeline.models import resolve_location
-    from pipeline.replay import draft_config, replay_unsupported_config
+    from pipeline.models import draft_config
+    from pipeline.replay import replay_unsupported_config
 
     try:
-        why = replay_unsupported_config(draft_config(resolve_location(cfg.model.draft), cfg.model.draft_revision))
+        why = replay_unsupported_config(draft_config(cfg.model))
     except Exception as e:  # noqa: BLE001 - a config that cannot be read cannot be proven exact either
         why = f"an unreadable draft config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
     if why is None:

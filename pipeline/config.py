@@ -309,10 +309,12 @@ def config_sha256(cfg: PipelineConfig) -> str:
 
 def write_resolved(cfg: PipelineConfig, folder: Path) -> str:
     """Write the stage's resolved config and its sha256 next to its outputs; return the digest."""
-    folder = Path(folder)
+    from .storage import location, write_bytes_atomic
+
+    folder = location(folder)
     folder.mkdir(parents=True, exist_ok=True)
     text = to_yaml(cfg)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    (folder / "config.yaml").write_text(text)
-    (folder / "config.sha256").write_text(digest + "\n")
+    write_bytes_atomic(text.encode(), folder / "config.yaml")
+    write_bytes_atomic((digest + "\n").encode(), folder / "config.sha256")
     return digest

@@ -23,7 +23,6 @@ process (prepare, and the driver's own tests).
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,11 +30,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import __version__
 from .log import get as log
 from .dataset import encode_metadata
+from .storage import location, parquet_file, rmtree, size
 from .shards import (
     FINGERPRINT,
     MANIFEST,
@@ -94,7 +93,9 @@ A reject is one JSON object per line: `prompt_id` and `source` where known, `rea
 (decoding stages) or `source_row` and `file` (prepare). Every shard carries the key-value metadata
 `blockpilot.fingerprint_sha256`, `blockpilot.config_sha256`, `blockpilot.package_version`, `blockpilot.stage` and,
 where it has one, `blockpilot.input_shard`. A shard counts as done on a rerun when its footer reads, it carries the
-folder's fingerprint, and its rows plus its rejects account for every input row.
+folder's fingerprint, and its rows plus its rejects account for every input row. The folder may live in object
+storage (`output_dir=s3://...`): every file is then uploaded whole (one PUT, or a multipart upload completed last),
+so an object is visible only once complete, and the same order holds (rejects, shard, manifest, `{SUCCESS}` last).
 
 `{MANIFEST}` (manifest_version {MANIFEST_VERSION}):
 
@@ -178,7 +179,7 @@ class ShardStage:
 
     def __init__(self, cfg, folder: Path):
         self.cfg = cfg
-        self.folder = Path(folder)
+        self.folder = location(folder)
 
     # -- the driver process --
     def requires(self) -> List[Tuple[Path, str]]:
@@ -281,8 +282,8 @@ def run_task(stage: ShardStage, task: ShardTask, worker: Worker) -> Dict[str, An
         raise RuntimeError(f"{stage.name} {task.name}: {table.num_rows} rows for {task.rows} inputs and "
                            f"{len(rejects)} rejects (expected {expected})")
     meta = {**(table.schema.metadata or {}), **encode_metadata(task.metadata)}
-    write_jsonl_atomic(rejects, Path(task.rejects))
-    write_parquet_atomic(table.replace_schema_metadata(meta), Path(task.output), **stage.parquet_options(table))
+    write_jsonl_atomic(rejects, task.rejects)
+    write_parquet_atomic(table.replace_schema_metadata(meta), task.output, **stage.parquet_options(table))
     return {"shard": task.name, "rows": table.num_rows, "rejects": len(rejects), "worker": worker.identity,
             "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -332,7 +333,7 @@ class StageFolder:
     ``summary.json`` and ``_SUCCESS``. Used by :func:`run_stage` and directly by train and report."""
 
     def __init__(self, path: Path, stage: str, extra_outputs: Sequence[str] = ()):
-        self.path = Path(path)
+        self.path = location(path)
         self.stage = stage
         self.extra_outputs = tuple(extra_outputs)
 
@@ -387,10 +388,10 @@ class StageFolder:
     def discard(self) -> None:
         for p in list_shards(self.path):
             p.unlink()
-        shutil.rmtree(self.path / REJECTS_DIR, ignore_errors=True)
+        rmtree(self.path / REJECTS_DIR)
         for name in (*STANDARD_OUTPUTS, *self.extra_outputs):
             p = self.path / name
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
     def start(self, cfg) -> str:
         """The folder is about to change: no longer complete, temp files of killed writers gone, this run's
@@ -411,7 +412,7 @@ class StageFolder:
 
 
 def mark_complete(folder: Path) -> None:
-    write_text_atomic("", Path(folder) / SUCCESS)
+    write_text_atomic("", location(folder) / SUCCESS)
 
 
 def require_complete(required: Iterable[Tuple[Path, str]]) -> None:
@@ -433,12 +434,12 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
     folder = stage.folder
     files, rejects = [], read_jsonl(folder / REJECTS_DIR / INPUT_REJECTS)
     for t in tasks:
-        p = Path(t.output)
+        p = location(t.output)
         if not p.exists():
             continue
-        shard_rejects = read_jsonl(Path(t.rejects))
+        shard_rejects = read_jsonl(t.rejects)
         rejects.extend(shard_rejects)
-        files.append({"file": p.name, "rows": pq.read_metadata(p).num_rows, "bytes": p.stat().st_size,
+        files.append({"file": p.name, "rows": parquet_file(p).metadata.num_rows, "bytes": size(p),
                       "sha256": file_sha256(p), "rejects": len(shard_rejects), "input_rows": t.rows})
     write_jsonl_atomic(rejects, folder / REJECTS)
     if (folder / MANIFEST).exists():
@@ -456,7 +457,8 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
         # A worker with many decode errors (a bad GPU, OOM on long prompts) stands out here.
         "rejects_by_worker": _counts(rejects, "worker"),
         "fingerprint": normalise(fingerprint), "fingerprint_sha256": fingerprint_sha256(fingerprint),
-        "workers": workers, "summary": stage.summarize([Path(t.output) for t in tasks if Path(t.output).exists()]),
+        "workers": workers,
+        "summary": stage.summarize([location(t.output) for t in tasks if location(t.output).exists()]),
         **stage.manifest_extras(),
     }
     write_json_atomic(manifest, folder / MANIFEST)
@@ -503,20 +505,20 @@ def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTa
     """Give every planned task its output paths and metadata stamp, write the input rejects, remove shards the
     plan no longer has, and return the tasks whose output is not done yet (the to-do list)."""
     rejects_dir = stage.folder / REJECTS_DIR
-    rejects_dir.mkdir(exist_ok=True)
+    rejects_dir.mkdir(parents=True, exist_ok=True)
     if plan.rejects or (rejects_dir / INPUT_REJECTS).exists():  # only stages that reject before sharding have one
         write_jsonl_atomic(plan.rejects, rejects_dir / INPUT_REJECTS)
     for t in plan.tasks:
         t.output = str(stage.folder / t.name)
-        t.rejects = str(rejects_dir / Path(t.name).with_suffix(".jsonl").name)
+        t.rejects = str(rejects_dir / (t.name.rsplit(".", 1)[0] + ".jsonl"))
         t.metadata = {**t.metadata, **stamp}
     planned = {t.name for t in plan.tasks}
     for stale in list_shards(stage.folder):  # from a run with more shards (force with another shard size)
         if stale.name not in planned:
             stale.unlink()
-            (rejects_dir / stale.with_suffix(".jsonl").name).unlink(missing_ok=True)
+            (rejects_dir / (stale.name.rsplit(".", 1)[0] + ".jsonl")).unlink(missing_ok=True)
     todo = [t for t in plan.tasks if not output_shard_valid(
-        Path(t.output), t.rows, Path(t.rejects), stamp["fingerprint_sha256"], stage.rows_per_input)]
+        t.output, t.rows, t.rejects, stamp["fingerprint_sha256"], stage.rows_per_input)]
     described = f"{stage.describe()}: " if stage.describe() else ""
     log(stage.name).info(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
                          f"{stage.unit}) to do")
@@ -559,7 +561,7 @@ def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], 
 
 def tasks_from_shards(folder: Path) -> List[ShardTask]:
     """One task per input shard, named like it: ``part-N`` in, ``part-N`` out."""
-    return [ShardTask(p.name, str(p), pq.read_metadata(p).num_rows, metadata={"input_shard": p.name})
+    return [ShardTask(p.name, str(p), parquet_file(p).metadata.num_rows, metadata={"input_shard": p.name})
             for p in list_shards(folder)]
 
 

@@ -124,29 +124,33 @@ class BlockSizePolicy:
         return [self.candidates[i] for i in self.scores(logits).argmax(dim=-1).tolist()]
 
     def save_pretrained(self, folder: Union[str, Path]) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
-        folder = Path(folder)
+        from .storage import location, write_bytes_atomic
+
+        folder = location(folder)  # a local folder or object storage
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()},
-                  str(folder / "model.safetensors"))
+        write_bytes_atomic(save({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}),
+                           folder / "model.safetensors")
         arch = {"hidden": self.model.input.out_features, "n_layers": 1 + len(self.model.blocks),
                 "dropout": self.model.dropout.p}
         meta = {"candidates": self.candidates, "vocab_size": self.vocab_size,
                 "input_transform": self.input_transform, "architecture": arch, **self.info}
-        (folder / "policy.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        write_bytes_atomic((json.dumps(meta, indent=2, default=str) + "\n").encode(), folder / "policy.json")
 
     @classmethod
     def from_pretrained(cls, folder: Union[str, Path], device: Union[str, torch.device] = "cpu") -> "BlockSizePolicy":
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        folder = Path(folder)
+        from .storage import location
+
+        folder = location(folder)
         if not (folder / "policy.json").is_file() or not (folder / "model.safetensors").is_file():
             raise FileNotFoundError(f"{folder} is not an exported policy (needs policy.json and model.safetensors)")
         meta = json.loads((folder / "policy.json").read_text())
         arch = meta.get("architecture", {})
         model = BlockSizeMLP(meta["vocab_size"], len(meta["candidates"]), **arch)
-        model.load_state_dict(load_file(str(folder / "model.safetensors")))
+        model.load_state_dict(load((folder / "model.safetensors").read_bytes()))
         info = {k: v for k, v in meta.items() if k not in ("candidates", "vocab_size", "input_transform", "architecture")}
         return cls(model.to(device), meta["candidates"], meta["vocab_size"], meta.get("input_transform", "none"), info)
 

@@ -1,7 +1,7 @@
 """Shard-folder mechanics shared by every stage (datatrove style).
 
 A stage folder holds rank-named shards ``part-00000.parquet`` ..., each written under a temporary name and renamed
-atomically, a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. These are the
+atomically (in object storage: one PUT, see :mod:`pipeline.storage`), a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. These are the
 primitives; :mod:`pipeline.driver` is the one place that writes manifests, reject files and ``_SUCCESS``.
 """
 
@@ -17,6 +17,8 @@ from typing import Any, Dict, Iterable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .storage import is_remote, location, parquet_bytes, parquet_file, write_bytes_atomic
+
 SUCCESS = "_SUCCESS"
 MANIFEST = "manifest.json"
 FINGERPRINT = "fingerprint.json"
@@ -26,66 +28,63 @@ def shard_name(index: int, suffix: str = ".parquet") -> str:
     return f"part-{index:05d}{suffix}"
 
 
-def list_shards(folder: Path) -> list:
-    return sorted(Path(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"))
+def list_shards(folder) -> list:
+    return sorted(location(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"), key=lambda p: p.name)
 
 
-def _tmp_path(path: Path) -> Path:
+def tmp_path(path: Path) -> Path:
     # A leading dot and a unique suffix: readers that glob part-*.parquet never see half-written files.
     return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
 
 
-def _replace(tmp: Path, path: Path) -> None:
+def replace_durably(tmp: Path, path: Path) -> None:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
-def write_parquet_atomic(table: pa.Table, path: Path, **options: Any) -> None:
-    path = Path(path)
-    tmp = _tmp_path(path)
+def write_parquet_atomic(table: pa.Table, path, **options: Any) -> None:
+    path = location(path)
+    if is_remote(path):  # one PUT of the finished file (pipeline/storage.py)
+        write_bytes_atomic(parquet_bytes(table, **options), path)
+        return
+    tmp = tmp_path(path)
     try:
         pq.write_table(table, tmp, **options)
-        _replace(tmp, path)
+        replace_durably(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def write_text_atomic(text: str, path: Path) -> None:
-    path = Path(path)
-    tmp = _tmp_path(path)
-    try:
-        tmp.write_text(text)
-        _replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def write_text_atomic(text: str, path) -> None:
+    write_bytes_atomic(text.encode(), path)
 
 
-def write_json_atomic(obj: Any, path: Path) -> None:
+def write_json_atomic(obj: Any, path) -> None:
     write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)
 
 
-def write_jsonl_atomic(rows: Iterable[Dict[str, Any]], path: Path) -> None:
+def write_jsonl_atomic(rows: Iterable[Dict[str, Any]], path) -> None:
     write_text_atomic("".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows), path)
 
 
-def read_jsonl(path: Path) -> list:
-    path = Path(path)
+def read_jsonl(path) -> list:
+    path = location(path)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with location(path).open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def is_complete(folder: Path) -> bool:
-    return (Path(folder) / SUCCESS).exists()
+def is_complete(folder) -> bool:
+    return (location(folder) / SUCCESS).exists()
 
 
 def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
@@ -96,7 +95,7 @@ def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
     The first run records it; a later run with a different one raises unless ``force``. Returns True when the
     folder holds outputs of another config that the caller must discard (force was given).
     """
-    folder = Path(folder)
+    folder = location(folder)
     path = folder / FINGERPRINT
     previous = json.loads(path.read_text()) if path.exists() else None
     normalised = normalise(fingerprint)
@@ -128,19 +127,19 @@ def shard_intact(path: Path, rows: int, fp_sha: str) -> bool:
     ``blockpilot.fingerprint_sha256``). Reads the footer only."""
     from .dataset import decode_metadata
 
-    path = Path(path)
+    path = location(path)
     if not path.exists():
         return False
     try:
-        meta = pq.read_metadata(path)
-        info = decode_metadata(pq.read_schema(path).metadata)
+        pf = parquet_file(path)
+        info = decode_metadata(pf.schema_arrow.metadata)
     except Exception:  # truncated or corrupted: regenerate
         return False
-    return meta.num_rows == rows and info.get("fingerprint_sha256") == fp_sha
+    return pf.metadata.num_rows == rows and info.get("fingerprint_sha256") == fp_sha
 
 
 def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
                        rows_per_input: int = 1) -> bool:
     """An output shard counts as done when it is intact and its rows plus its rejects account for every input row."""
-    rejected = len(read_jsonl(rejects_path)) if Path(rejects_path).exists() else 0
+    rejected = len(read_jsonl(rejects_path))
     return shard_intact(out_path, (input_rows - rejected) * rows_per_input, fp_sha)

@@ -372,7 +372,9 @@ def submit_command(args: argparse.Namespace) -> int:
     except SubmitError as e:
         print(f"blockpilot submit: error: {e}", file=err)
         return 2
-    if not Path(cfg.output_dir).is_absolute():
+    from .storage import is_uri
+
+    if not (is_uri(cfg.output_dir) or Path(cfg.output_dir).is_absolute()):  # s3://... is shared already
         print(f"blockpilot submit: warning: output_dir={cfg.output_dir} is relative: the job writes it under its "
               "working dir on the cluster (a temporary copy); pass a shared absolute output_dir", file=err)
     command = entrypoint(args.target, args.python, config, args.overrides)

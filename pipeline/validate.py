@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from .dataset import LABELS_SCHEMA_VERSION, READABLE_LABELS_SCHEMA_VERSIONS, decode_metadata, labels_schema
 from .driver import REJECTS, REJECTS_DIR
 from .shards import MANIFEST, file_sha256, is_complete, list_shards, read_jsonl
+from .storage import location, parquet_file
 
 # Every column but logits, read as Python values row by row.
 ROW_COLUMNS = ["prompt_id", "candidates", "tau", "label_block_size", "label_index", "label_speedup_block_size"]
@@ -99,7 +99,7 @@ def _check_accounting(root: Path, name: str, rows: int, entry: Dict[str, Any], b
 
 
 def validate_dataset(folder: str) -> ValidationReport:
-    root = Path(folder)
+    root = location(folder)  # a local folder or object storage (s3://...)
     rep = ValidationReport(str(root))
     bad = rep.problems.append
     if not root.is_dir():
@@ -128,7 +128,7 @@ def validate_dataset(folder: str) -> ValidationReport:
     candidates_seen = None
     for p in shards:
         try:
-            pf = pq.ParquetFile(p)
+            pf = parquet_file(p)
             meta = decode_metadata(pf.schema_arrow.metadata)
         except Exception as err:  # noqa: BLE001 - truncated, corrupted, not Parquet
             bad(f"{p.name}: unreadable Parquet ({type(err).__name__}: {err})")

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, Tuple
 import pyarrow as pa
 
 from pipeline.driver import Plan, Rejects, Resources, ShardStage, Worker, tasks_from_shards
+from pipeline.storage import location
 
 
 class DecodingStage(ShardStage):
@@ -21,7 +22,7 @@ class DecodingStage(ShardStage):
 
     def __init__(self, cfg, folder: Path, prompts: Path, num_workers):
         super().__init__(cfg, folder)
-        self.prompts = Path(prompts)  # the prompt shards (prepare's schema) it decodes
+        self.prompts = location(prompts)  # the prompt shards (prepare's schema) it decodes
         self.num_workers = num_workers
 
     def plan(self) -> Plan:
@@ -73,7 +74,7 @@ class DecodingStage(ShardStage):
                 continue
             yield rec, result
             if verbose and (i + 1) % 16 == 0:  # inside a shard, with -v only: the driver reports every shard
-                print(f"[{self.name} {self.worker.identity}] {Path(shard).name}: {i + 1}/{table.num_rows} prompts "
+                print(f"[{self.name} {self.worker.identity}] {location(shard).name}: {i + 1}/{table.num_rows} prompts "
                       f"({(i + 1) / (time.perf_counter() - t0):.2f}/s)", flush=True)
 
     @staticmethod

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.config import PipelineConfig
 from pipeline.dataset import RESULT_COLUMNS, RESULTS_SCHEMA, encode_metadata
 from pipeline.driver import Rejects, Worker, require_complete
 from pipeline.shards import MANIFEST, file_sha256, list_shards, write_parquet_atomic, write_text_atomic
+from pipeline.storage import location, read_table
 
 from .common import execute
 from .decoding import DecodingStage
@@ -48,7 +47,7 @@ def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
 def prompt_sets(cfg: PipelineConfig) -> PrepareStage:
     """The held-out prompt sets, built by prepare's own stage (same cleaning, chat template and fingerprint) into
     ``eval/prompts/``."""
-    return PrepareStage(cfg, Path(cfg.output_dir) / "eval" / "prompts", cfg.evaluate.sources, cfg.evaluate.limit,
+    return PrepareStage(cfg, location(cfg.output_dir) / "eval" / "prompts", cfg.evaluate.sources, cfg.evaluate.limit,
                         section="evaluate")
 
 
@@ -63,7 +62,7 @@ class EvaluateStage(DecodingStage):
     extra_outputs = ("results.parquet", "summary.md", "summary.csv")
 
     def __init__(self, cfg: PipelineConfig):
-        out = Path(cfg.output_dir)
+        out = location(cfg.output_dir)
         super().__init__(cfg, out / "eval", prompt_sets(cfg).folder, cfg.evaluate.num_workers)
         self.train_dir, self.policy_dir = out / "train", out / "train" / "policy"
 
@@ -146,7 +145,7 @@ class EvaluateStage(DecodingStage):
             fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
             return state, ar, fixed, self.adaptive.generate(ids, state=state, **kw), self.reference(ids, ar)
 
-        table = pq.read_table(input, columns=["prompt_id", "source", "input_ids"])
+        table = read_table(input, columns=["prompt_id", "source", "input_ids"])
         rows: List[Dict[str, Any]] = []
         for rec, (state, ar, fixed, ad, ref) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
@@ -161,7 +160,7 @@ class EvaluateStage(DecodingStage):
 
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
-        results = pa.concat_tables([pq.read_table(p) for p in list_shards(self.folder)])
+        results = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
         write_parquet_atomic(results, self.folder / "results.parquet", compression="zstd")
         summary = summarize(results, self.methods)
         summary.update({"candidates": self.candidates, "fixed_block_sizes": self.fixed,

@@ -20,13 +20,13 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.dataset import LABELS_SCHEMA_VERSION, encode_metadata, labels_card, labels_schema
 from pipeline.driver import Rejects, Worker
 from pipeline.log import get as log
 from pipeline.shards import MANIFEST, file_sha256
+from pipeline.storage import location, read_table
 
 from .common import execute
 from .decoding import DecodingStage
@@ -76,7 +76,7 @@ class LabelStage(DecodingStage):
     schema_version = LABELS_SCHEMA_VERSION
 
     def __init__(self, cfg: PipelineConfig):
-        out = Path(cfg.output_dir)
+        out = location(cfg.output_dir)
         super().__init__(cfg, out / "labels", out / "prompts", cfg.label.num_workers)
         self.mode = resolve_mode(cfg)
 
@@ -148,7 +148,7 @@ class LabelStage(DecodingStage):
                 raise FloatingPointError("non-finite prefill logits (float16 overflow or NaN)")
             return out, logits
 
-        table = pq.read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
+        table = read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
         vocab = self.models.vocab_size
         schema = labels_schema(vocab)
         rows: Dict[str, list] = {name: [] for name in schema.names}
@@ -185,7 +185,7 @@ class LabelStage(DecodingStage):
         """Label histograms and mean tau per candidate, read without the logits column."""
         if not shards:
             return {}
-        t = pa.concat_tables([pq.read_table(p, columns=SUMMARY_COLUMNS) for p in shards])
+        t = pa.concat_tables([read_table(p, columns=SUMMARY_COLUMNS) for p in shards])
         if t.num_rows == 0:
             return {}
         candidates = t.column("candidates")[0].as_py()

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from pipeline.config import PipelineConfig, SourceConfig
 from pipeline.dataset import PROMPTS_SCHEMA, PROMPTS_SCHEMA_VERSION, prompts_card
+from pipeline.storage import location
 from pipeline.driver import Plan, Rejects, ShardStage, numbered_tasks
 from pipeline.log import get as get_log
 from pipeline.sources import build_prompts, validate_sources
@@ -39,7 +40,7 @@ class PrepareStage(ShardStage):
     def __init__(self, cfg: PipelineConfig, folder: Optional[Path] = None,
                  sources: Optional[Sequence[SourceConfig]] = None, limit: Optional[int] = None,
                  section: str = "prepare"):
-        super().__init__(cfg, folder or Path(cfg.output_dir) / STAGE_DIR)
+        super().__init__(cfg, folder or location(cfg.output_dir) / STAGE_DIR)
         self.sources = list(cfg.prepare.sources if sources is None else sources)
         self.limit = cfg.prepare.limit if sources is None else limit
         self.section = section  # the config key named in errors

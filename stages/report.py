@@ -17,6 +17,7 @@ from pipeline.config import PipelineConfig
 from pipeline.driver import StageFolder
 from pipeline.log import get as log
 from pipeline.shards import is_complete, list_shards, write_text_atomic
+from pipeline.storage import location, read_table, savefig
 
 
 def _plt():
@@ -39,7 +40,7 @@ def label_section(labels_dir: Path, out: Path) -> List[str]:
     import polars as pl
 
     cols = ["prompt_id", "source", "candidates", "tau", "label_block_size", "label_speedup_block_size"]
-    df = pl.concat([pl.read_parquet(p, columns=cols) for p in list_shards(labels_dir)])
+    df = pl.concat([pl.from_arrow(read_table(p, columns=cols)) for p in list_shards(labels_dir)])
     cands = df["candidates"][0].to_list()
     tau = np.array(df["tau"].to_list(), dtype=np.float64)
     sources = sorted(df["source"].unique().to_list())
@@ -70,7 +71,7 @@ def label_section(labels_dir: Path, out: Path) -> List[str]:
            xlabel="optimal block size", ylabel="share of prompts", title="Optimal b per source")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "optimal_b_hist.png", dpi=90)
+    savefig(fig, out / "optimal_b_hist.png", dpi=90)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -80,7 +81,7 @@ def label_section(labels_dir: Path, out: Path) -> List[str]:
     ax.set(xlabel="block size b", ylabel="tau", title="Acceptance length against b")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "tau_vs_b.png", dpi=90)
+    savefig(fig, out / "tau_vs_b.png", dpi=90)
     plt.close(fig)
     md += ["![optimal b per source](optimal_b_hist.png) ![tau against b](tau_vs_b.png)", ""]
     return md
@@ -110,11 +111,11 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
     from omegaconf import OmegaConf
 
     # The split the policy was trained with, from the train stage's resolved config.
-    val_fraction = float(OmegaConf.load(train_dir / "config.yaml").train.val_fraction)
+    val_fraction = float(OmegaConf.create((train_dir / "config.yaml").read_text()).train.val_fraction)
     label_col = "label_speedup_block_size" if policy.info.get("label") == "speedup" else "label_block_size"
     rows = []
     for p in list_shards(labels_dir):
-        d = pl.read_parquet(p, columns=["prompt_id", "logits", label_col])
+        d = pl.from_arrow(read_table(p, columns=["prompt_id", "logits", label_col]))
         rows.append(d.filter(pl.col("prompt_id").map_elements(lambda i: is_val(i, val_fraction),
                                                                 return_dtype=pl.Boolean)))
     val = pl.concat(rows)
@@ -134,7 +135,7 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
         ax.set(xticks=range(len(cands)), yticks=range(len(cands)), xticklabels=cands, yticklabels=cands,
                xlabel="policy's choice", ylabel="label", title="Confusion matrix (val)")
         fig.tight_layout()
-        fig.savefig(out / "confusion.png", dpi=90)
+        savefig(fig, out / "confusion.png", dpi=90)
         plt.close(fig)
         md += ["![confusion matrix](confusion.png)", ""]
     return md
@@ -155,7 +156,7 @@ def eval_section(eval_dir: Path, out: Path) -> List[str]:
            ylabel="speedup vs AR", title="Speedup per dataset and method")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=90)
+    savefig(fig, out / "speedup.png", dpi=90)
     plt.close(fig)
     md += ["![speedup per dataset and method](speedup.png)", ""]
     return md
@@ -187,7 +188,7 @@ def headline(output_dir: Path) -> Dict[str, Optional[float]]:
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
-    root = Path(cfg.output_dir)
+    root = location(cfg.output_dir)
     out = root / "report"
     folder = StageFolder(out, "report")  # no fingerprint: a report is always remade from what is there
     folder.ensure_writable()

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from pipeline.config import PipelineConfig
 from pipeline.dataset import decode_metadata
@@ -25,6 +24,7 @@ from pipeline.log import get as log
 from pipeline.log import ray_train_logging_config
 from pipeline.policy import is_val
 from pipeline.shards import MANIFEST, file_sha256, list_shards, write_jsonl_atomic
+from pipeline.storage import arrow_filesystem, is_remote, location, parquet_file, read_table, resolve, savefig
 from pipeline.validate import validate_dataset
 
 from .common import init_ray
@@ -175,7 +175,7 @@ def log_metrics(history: List[Dict[str, Any]], config: Dict[str, Any], rank: int
     run rewrites it and never duplicates an epoch. The driver shows it (:class:`EpochLog`): a worker's own prints
     reach the driver through Ray's log streaming, once per worker and sometimes twice."""
     if rank == 0:
-        write_jsonl_atomic(history, Path(config["train_dir"]) / "metrics.jsonl")
+        write_jsonl_atomic(history, location(config["train_dir"]) / "metrics.jsonl")
 
 
 class EpochLog:
@@ -263,7 +263,7 @@ def _split_tables(shards: List[Path], val_fraction: float, label_col: str, candi
     """Small columns only (no logits): the driver's view of the split and of the baselines."""
     import pyarrow as pa
 
-    t = pa.concat_tables([pq.read_table(p, columns=["prompt_id", "tau", label_col]) for p in shards])
+    t = pa.concat_tables([read_table(p, columns=["prompt_id", "tau", label_col]) for p in shards])
     ids = t.column("prompt_id").to_pylist()
     val_mask = np.array([is_val(i, val_fraction) for i in ids], dtype=bool)
     tau = np.array(t.column("tau").to_pylist(), dtype=np.float32)
@@ -282,7 +282,7 @@ def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t_start = time.monotonic()
-    out = Path(cfg.output_dir).resolve()
+    out = resolve(cfg.output_dir)  # a local folder, or object storage (s3://...)
     labels_dir, train_dir = out / "labels", out / "train"
     folder = StageFolder(train_dir, "train", extra_outputs=(RUN_NAME, "policy", "metrics.jsonl", "curves.png"))
     folder.ensure_writable()
@@ -297,7 +297,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     folder.bind(fp, cfg.force)
     folder.start(cfg)
     shards = list_shards(labels_dir)
-    meta = decode_metadata(pq.read_schema(shards[0]).metadata)
+    meta = decode_metadata(parquet_file(shards[0]).schema_arrow.metadata)
     candidates = [int(b) for b in meta["candidates"]]
     vocab = int(meta["vocab_size"])
     B = int(meta["trained_block_size"])
@@ -318,7 +318,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     columns = ["prompt_id", "logits", "tau", label_col]
-    ds = ray.data.read_parquet([str(p) for p in shards]).select_columns(columns)
+    fs, _ = arrow_filesystem(labels_dir)  # the stages' own filesystem client, local or object storage
+    ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in shards], filesystem=fs).select_columns(columns)
     frac = cfg.train.val_fraction
 
     def keep(batch, val: bool):
@@ -346,7 +347,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         datasets={"train": train_ds, "val": val_ds},
         dataset_config=DataConfig(datasets_to_split=["train"]),
         run_config=RunConfig(
-            name=RUN_NAME, storage_path=str(train_dir),
+            name=RUN_NAME, **_storage(train_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             logging_config=ray_train_logging_config(),
@@ -361,6 +362,15 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     folder.complete(summary)
     _print_summary(summary)
     return summary
+
+
+def _storage(train_dir) -> Dict[str, Any]:
+    """Ray Train's checkpoint storage: the train folder itself, on disk or in object storage (through the same
+    filesystem client as the other stages, so an S3-compatible endpoint set in the environment applies to both)."""
+    if not is_remote(train_dir):
+        return {"storage_path": str(train_dir)}
+    fs, path = arrow_filesystem(train_dir)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 def _export(cfg, result, train_dir: Path, candidates, vocab, B, fp, fixed_index, majority, y, val_mask):
@@ -414,7 +424,7 @@ def _plot(history: List[Dict[str, Any]], path: Path) -> None:
     axes[2].set(title="val mean tau of the chosen b", xlabel="epoch")
     axes[2].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    savefig(fig, path, dpi=90)
     plt.close(fig)
 
 

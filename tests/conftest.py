@@ -78,3 +78,66 @@ def real_labels(tmp_path_factory):
     assert [(f["file"], f["rows"], f["rejects"], f["input_rows"]) for f in manifest["files"]] == \
         [("part-00000.parquet", 4, 0, 4), ("part-00001.parquet", 4, 0, 4)]
     return labels
+
+
+# ---- a real S3-compatible server on 127.0.0.1 (moto in server mode), for object-storage tests -----------------------
+
+class S3Server:
+    """moto's S3 server in a subprocess of its own session, on a free port; ``env`` is what a client needs
+    (endpoint and dummy credentials: moto accepts any)."""
+
+    def __init__(self):
+        import socket
+        import time
+        import urllib.request
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto S3 server did not start")
+                time.sleep(0.2)
+
+    def bucket(self, name: str) -> str:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        self.proc.kill()  # by pid: it is ours alone
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, request):
+    """A fresh bucket on the session's server, with the client environment set for this process (and inherited by
+    the subprocesses and Ray workers a test starts). Returns its ``s3://`` URI."""
+    import re
+    import uuid
+
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    return s3_server.bucket(name)

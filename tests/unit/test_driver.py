@@ -27,6 +27,7 @@ from pipeline.driver import (
     tasks_from_shards,
 )
 from pipeline.shards import file_sha256, list_shards, shard_name, write_parquet_atomic
+from pipeline.storage import location, read_table
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("x", pa.int64())])
 OUT_SCHEMA = pa.schema([("prompt_id", pa.string()), ("square", pa.int64())])
@@ -59,12 +60,12 @@ class Squares(ShardStage):
         self.setups += 1
 
     def process_shard(self, input, rejects):
-        name = Path(input).name
+        name = location(input).name  # local or object storage: the same stage code
         self.calls.append(name)
         if name in self.fail and self.calls.count(name) <= self.fail_times:
             raise OSError(f"disk on fire while writing {name}")
         out = {"prompt_id": [], "square": []}
-        for row in pq.read_table(input).to_pylist():
+        for row in read_table(input).to_pylist():
             if row["x"] < 0:
                 rejects.add(row, "negative", f"x={row['x']}")
                 continue
@@ -73,7 +74,7 @@ class Squares(ShardStage):
         return pa.table(out, schema=OUT_SCHEMA)
 
     def summarize(self, shards):
-        total = sum(sum(pq.read_table(p)["square"].to_pylist()) for p in shards)
+        total = sum(sum(read_table(p)["square"].to_pylist()) for p in shards)
         return {"sum_of_squares": total}
 
     def card(self, manifest):

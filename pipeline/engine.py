@@ -36,6 +36,8 @@ from dflash.model import (
     sample,
 )
 
+from .step_rules import draft_confidence
+
 
 @dataclass
 class PrefillState:
@@ -61,6 +63,10 @@ class DecodeResult:
     num_input_tokens: int
     block_size: int
     committed: List[int] = field(default_factory=list)  # tokens committed per verify step, bonus included
+    # Drafted tokens sent to the target per step (block_size - 1 on full steps; fewer with a step rule, or at the
+    # max_new_tokens cut). The verify forward runs over verified + 1 positions.
+    verified: List[int] = field(default_factory=list)
+    step_rule: Optional[dict] = None  # the per-step rule's describe(), None for plain decoding at block_size
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -144,28 +150,37 @@ class Engine:
         top_k: int = 0,
         seed: Optional[int] = 0,
         keep_context: bool = False,
+        step_rule=None,
     ) -> DecodeResult:
-        """Decode one continuation at block size ``block_size``; ``seed`` makes T > 0 reproducible."""
+        """Decode one continuation at block size ``block_size``; ``seed`` makes T > 0 reproducible.
+
+        ``step_rule`` (:mod:`pipeline.step_rules`): the draft still proposes ``block_size`` tokens per step, and the
+        rule picks how many of them the target verifies, from the draft's confidences. Exact like every mode."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if keep_context and block_size < 2:
             raise ValueError("keep_context needs block_size >= 2 (b = 1 computes no context features)")
+        if step_rule is not None and block_size < 2:
+            raise ValueError("a step rule needs block_size >= 2 (it cuts the drafted block)")
         _validate_sampling(temperature, top_p, top_k)
         try:
             if temperature > 0 and seed is not None:
                 devices = [self.device] if self._cuda else []
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(seed)
-                    return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context)
-            return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context)
+                    return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context,
+                                        step_rule)
+            return self._decode(state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context,
+                                step_rule)
         finally:
             # Leave the shared cache exactly as prefill left it, whatever happened.
             _crop_to(state.target_cache, state.num_input_tokens)
 
     @torch.inference_mode()
-    def _decode(self, state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context) -> DecodeResult:
+    def _decode(self, state, block_size, max_new_tokens, temperature, top_p, top_k, keep_context,
+                step_rule=None) -> DecodeResult:
         # Mirrors dflash.model.dflash_generate after its prefill; comments mark where it differs.
         draft, target = self.draft, self.target
         num_input_tokens = state.num_input_tokens
@@ -181,7 +196,8 @@ class Engine:
         output_ids[:, num_input_tokens] = sample(state.logits[None], temperature, top_p, top_k)
         target_hidden = state.context
 
-        result = DecodeResult(output_ids, num_input_tokens, block_size)
+        result = DecodeResult(output_ids, num_input_tokens, block_size,
+                              step_rule=step_rule.describe() if step_rule is not None else None)
         kept = [state.context] if keep_context else None
         t_start = self.now()
         start = num_input_tokens
@@ -195,7 +211,7 @@ class Engine:
             verify_size = min(block_size, max_length - start)
             block_output_ids = output_ids[:, start:start + verify_size].clone()
             block_position_ids = position_ids[:, start:start + verify_size]
-            draft_probs = draft_indices = None
+            draft_probs = draft_indices = draft_logits = None
             if verify_size > 1:
                 noise_embedding = _raw_input_embeddings(target, block_output_ids, embed_scale)
                 draft_hidden = draft(
@@ -217,6 +233,19 @@ class Engine:
                         block_output_ids[:, 1:] = _sample_probs(draft_probs)
                     else:
                         block_output_ids[:, 1:] = torch.argmax(draft_logits, dim=-1)
+                if step_rule is not None:  # not in dflash: verify only a prefix of the drafted block
+                    if draft_probs is None and draft_logits is None:
+                        draft_logits = draft.compute_logits(draft_hidden, head)
+                    k = int(step_rule.verify_length(draft_confidence(draft_probs, draft_logits), result.committed))
+                    if not 1 <= k <= verify_size - 1:
+                        raise ValueError(f"step rule {step_rule.describe()} chose {k} of {verify_size - 1} tokens")
+                    verify_size = k + 1
+                    block_output_ids = block_output_ids[:, :verify_size]
+                    block_position_ids = block_position_ids[:, :verify_size]
+                    if draft_probs is not None:
+                        draft_probs = draft_probs[:, :k]
+                    if draft_indices is not None:
+                        draft_indices = draft_indices[:, :k]
             t1 = self.now()
             output = target(
                 block_output_ids,
@@ -250,6 +279,7 @@ class Engine:
             start += produced
             _crop_to(past_key_values_target, start)
             result.committed.append(int(produced))
+            result.verified.append(verify_size - 1)
             if verify_size > 1:
                 # With b >= 2, verify_size is >= 2 on every step (the loop needs start + 1 < max_length), so the
                 # draft always sees fresh features; with b = 1 it never drafts and never reads them.

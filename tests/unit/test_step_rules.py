@@ -1,0 +1,143 @@
+"""Per-step verify length (pipeline/step_rules.py) in the engine: still exact at T = 0 (the target's greedy
+continuation, stop tokens and the max_new_tokens cut included), lossless at T > 0 (a chi-square test against the
+target's exact distribution, with a broken sampler as the negative control), and the rules' own arithmetic."""
+
+import math
+
+import pytest
+import torch
+
+import pipeline.engine as engine_mod
+from pipeline.engine import Engine, greedy_reference
+from pipeline.step_rules import ConfidenceThreshold, Full, RunningAcceptance, parse_rule
+from random_pair import EOS_ID, VOCAB, make_pair, prompt
+
+B_MAX = 6
+RULES = [ConfidenceThreshold(0.9), ConfidenceThreshold(0.3), ConfidenceThreshold(1.0), RunningAcceptance(0.5, 0.0),
+         RunningAcceptance(0.3, 2.0)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: str(r.describe()))
+def test_greedy_with_a_rule_is_the_targets_greedy_continuation(seed, rule):
+    target, draft = make_pair(seed, block_size=B_MAX)
+    engine = Engine(target, draft, [EOS_ID])
+    ids = prompt(seed)
+    state = engine.prefill(ids)
+    res = engine.decode(state, block_size=B_MAX, max_new_tokens=40, step_rule=rule)
+    ref = greedy_reference(target, ids, 40, [EOS_ID])
+    assert torch.equal(res.output_ids, ref), f"{rule.describe()}: not the target's greedy continuation"
+    assert len(res.verified) == res.steps and all(1 <= v <= B_MAX - 1 for v in res.verified)
+    assert all(c <= v + 1 for c, v in zip(res.committed, res.verified))  # never commits more than it verified
+    assert res.step_rule == rule.describe()
+
+
+def test_rules_actually_cut_and_full_is_plain_decoding():
+    target, draft = make_pair(0, block_size=B_MAX)
+    engine = Engine(target, draft, [EOS_ID])
+    state = engine.prefill(prompt(0))
+    plain = engine.decode(state, block_size=B_MAX, max_new_tokens=40)
+    full = engine.decode(state, block_size=B_MAX, max_new_tokens=40, step_rule=Full())
+    assert torch.equal(full.output_ids, plain.output_ids) and full.committed == plain.committed
+    assert full.verified == plain.verified  # plain decoding records what it verified too
+    cut = engine.decode(state, block_size=B_MAX, max_new_tokens=40, step_rule=ConfidenceThreshold(1.0))
+    assert set(cut.verified) == {1}  # nothing is certain: one drafted token per step
+    assert sum(cut.verified) < sum(plain.verified)
+
+
+def test_sampling_with_full_rule_replays_plain_sampling_draw_for_draw():
+    target, draft = make_pair(1, block_size=B_MAX)
+    engine = Engine(target, draft, [EOS_ID])
+    state = engine.prefill(prompt(1))
+    kw = dict(block_size=B_MAX, max_new_tokens=30, temperature=1.0, top_k=20, seed=5)
+    a, b = engine.decode(state, **kw), engine.decode(state, step_rule=Full(), **kw)
+    assert torch.equal(a.output_ids, b.output_ids) and a.committed == b.committed
+
+
+@pytest.mark.parametrize("rule", [ConfidenceThreshold(0.5), RunningAcceptance(0.5, 0.0)], ids=["threshold", "ema"])
+def test_stop_token_mid_block_and_max_new_tokens_cut(rule):
+    target, draft = make_pair(0, block_size=B_MAX)
+    ids = prompt(0)
+    free = greedy_reference(target, ids, 30)[0, ids.shape[1]:].tolist()
+    stop = free[7]  # a token the greedy continuation reaches mid-way
+    res = Engine(target, draft, [stop]).decode(Engine(target, draft, [stop]).prefill(ids), block_size=B_MAX,
+                                                max_new_tokens=30, step_rule=rule)
+    assert torch.equal(res.output_ids, greedy_reference(target, ids, 30, [stop])) and res.stopped
+    for n in (1, 2, 5, 11):
+        cut = Engine(target, draft).decode(Engine(target, draft).prefill(ids), block_size=B_MAX, max_new_tokens=n,
+                                           step_rule=rule)
+        assert cut.new_ids.tolist() == free[:n]
+
+
+def _second_token_counts(engine, state, rule, n: int):
+    counts = torch.zeros(VOCAB)
+    for seed in range(n):
+        res = engine.decode(state, block_size=B_MAX, max_new_tokens=2, temperature=1.0, seed=seed, step_rule=rule)
+        counts[int(res.new_ids[1])] += 1
+    return counts
+
+
+def _exact_second_token(target, ids) -> torch.Tensor:
+    """P(second new token) = sum over t1 of p(t1) p(t2 | t1), from the target alone at T = 1."""
+    with torch.inference_mode():
+        p1 = torch.softmax(target(ids).logits[0, -1].double(), -1)
+        ext = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = torch.softmax(target(ext).logits[:, -1].double(), -1)
+    return p1 @ p2
+
+
+def _chi2_rejects(counts: torch.Tensor, probs: torch.Tensor, z: float = 3.29) -> bool:
+    """Pearson's chi-square at about the 0.0005 level (Wilson-Hilferty quantile), over bins expecting >= 5."""
+    n = counts.sum()
+    expected = probs * n
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    stat = float(((obs - exp) ** 2 / exp.clamp_min(1e-12)).sum())
+    df = int(keep.sum())  # bins - 1, with the pooled rest as one more bin
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical
+
+
+def test_sampling_with_a_cut_is_lossless_and_the_test_catches_a_lossy_sampler(monkeypatch):
+    """The second new token is drafted, verified on a cut block (one drafted token of five) and accepted or
+    resampled; its distribution must be the target's own. An always-accept sampler must fail the same test."""
+    target, draft = make_pair(3, block_size=B_MAX, tilt=6.0)  # peaked, and draft and target often disagree
+    engine = Engine(target, draft)
+    ids = prompt(3)
+    state = engine.prefill(ids)
+    exact = _exact_second_token(target, ids)
+    rule = ConfidenceThreshold(1.0)  # always cut to one drafted token
+    assert not _chi2_rejects(_second_token_counts(engine, state, rule, 2000), exact)
+
+    def always_accept(draft_tokens, target_probs, draft_probs, draft_indices=None):
+        return draft_tokens.shape[1], engine_mod._sample_probs(target_probs[:, -1])[0]
+
+    monkeypatch.setattr(engine_mod, "_rejection_sample", always_accept)
+    assert _chi2_rejects(_second_token_counts(engine, state, rule, 2000), exact)
+
+
+def test_rule_arithmetic_and_parsing():
+    conf = torch.tensor([0.9, 0.8, 0.5, 0.99])
+    assert ConfidenceThreshold(0.7).verify_length(conf, []) == 2  # 0.9, 0.72 | 0.36
+    assert ConfidenceThreshold(0.95).verify_length(conf, []) == 1  # at least one
+    assert ConfidenceThreshold(0.95, min_tokens=3).verify_length(conf, []) == 3
+    assert ConfidenceThreshold(0.0).verify_length(conf, []) == 4
+    ema = RunningAcceptance(alpha=0.5, slack=1.0)
+    assert ema.verify_length(conf, []) == 4  # no history: the whole block
+    assert ema.verify_length(conf, [3]) == 3  # accepted 2, + 1 slack
+    assert ema.verify_length(conf, [3, 1]) == 2  # ema 1.0 + 1
+    assert ema.verify_length(conf, [9, 9]) == 4  # clipped to the block
+    assert parse_rule("threshold:0.6") == ConfidenceThreshold(0.6)
+    assert parse_rule("threshold:0.6:2") == ConfidenceThreshold(0.6, 2)
+    assert parse_rule("ema:0.3:1.5") == RunningAcceptance(0.3, 1.5) and parse_rule("full") == Full()
+    for bad in ("threshold", "threshold:1.5", "ema:0", "speed:1", "threshold:x"):
+        with pytest.raises(ValueError, match="step rule"):
+            parse_rule(bad)
+
+
+def test_a_rule_needs_a_block_to_cut():
+    target, draft = make_pair(0, block_size=B_MAX)
+    engine = Engine(target, draft)
+    with pytest.raises(ValueError, match="block_size >= 2"):
+        engine.decode(engine.prefill(prompt(0)), block_size=1, max_new_tokens=4, step_rule=Full())

@@ -1,7 +1,8 @@
-"""Labelling throughput: the paper's method vs a shared prefill vs exact greedy replay, on the same prompts.
+"""Labelling throughput: the paper's method vs exact greedy replay at batch 1 vs batched replay, on the same prompts.
 
-    python benchmarks/label_throughput.py                  # 24 held-out prompts, T = 0, max_new_tokens 128, k = 2
-    python benchmarks/label_throughput.py --prompts 48 --max-new-tokens 256
+    python benchmarks/label_throughput.py                  # 64 held-out prompts, T = 0, max_new_tokens 128, k = 2
+    python benchmarks/label_throughput.py --k 4 --batch-size 32
+    python benchmarks/label_throughput.py --methods naive,exhaustive,replay,replay-seq,replay-all,batched
 
 Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
   naive       the paper's method: each candidate decoded independently, each with its own prefill
@@ -10,10 +11,13 @@ Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
               in lockstep: one draft forward per round for every candidate's current start (label.mode=replay)
   replay-seq  the same replay, one draft forward per start per candidate
   replay-all  the same replay, proposals for every start x every candidate up front (the issue's stretch)
+  batched     batched replay (pipeline/batched.py, label.batch_size): one batched greedy decode of the target
+              (features captured on the way), the draft's walks lockstep and batched across prompts
 
-The methods run round-robin prompt by prompt (this machine is noisy: whatever slows one slows all), and each
-method's labels (tau, steps, label) are compared with naive's. Ends with the line
-`ratio replay/naive = X.XX (labels identical: yes|no)`.
+Default methods: naive, replay, batched. The methods run round-robin batch by batch (length-sorted batches of
+--batch-size prompts, as the label stage forms them; inside a batch the batch-1 methods go prompt by prompt): this
+machine is noisy, and whatever slows one slows all. Each method's labels (tau, steps, label) are compared with
+naive's, prompt by prompt. Ends with the line `ratio batched/naive = X.XX (labels agree: N/M)`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pipeline.labeling import (  # noqa: E402
     label_prompt,
     replay_label_prompt,
 )
+from pipeline.batched import batched_replay_label_prompts, length_sorted_chunks  # noqa: E402
 from pipeline.models import load_models  # noqa: E402
 from pipeline.sources import build_prompts  # noqa: E402
 
@@ -54,9 +59,12 @@ def naive(engine, ids, cands, max_new):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=None, help="batched replay's batch (default: label.batch_size)")
+    ap.add_argument("--methods", default="naive,replay,batched",
+                    help="comma-separated, from naive, exhaustive, replay, replay-seq, replay-all, batched")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 = what one CPU label actor uses)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (the engine's timers synchronise on CUDA)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA)")
@@ -66,40 +74,52 @@ def main(argv=None) -> int:
     m = load_models(ModelConfig(dtype=args.dtype, device=args.device))
     engine = Engine(m.target, m.draft, m.stop_token_ids)
     cfg = load_config()
+    batch_size = args.batch_size or cfg.label.batch_size
     rows, _, _ = build_prompts(cfg.prepare.sources, m.tokenizer, cfg.prepare.max_prompt_tokens, limit=args.prompts)
     cands = candidate_block_sizes(engine.trained_block_size, args.k)
-    methods = {
+    one = {
         "naive": lambda ids: naive(engine, ids, cands, args.max_new_tokens),
         "exhaustive": lambda ids: label_prompt(engine, ids, cands, args.max_new_tokens),
         "replay": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="lockstep"),
         "replay-seq": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="sequential"),
         "replay-all": lambda ids: replay_label_prompt(engine, ids, cands, args.max_new_tokens, proposer="all_starts"),
     }
+    methods = [name.strip() for name in args.methods.split(",") if name.strip()]
+    unknown = set(methods) - set(one) - {"batched"}
+    if unknown or "naive" not in methods:
+        ap.error(f"--methods needs naive and known methods (unknown: {sorted(unknown)})")
     seconds = {k: 0.0 for k in methods}
-    agree = {k: True for k in methods}
+    agree = {k: 0 for k in methods}
     print(f"{len(rows)} prompts on {m.device}/{str(m.dtype).replace('torch.', '')}, candidates {cands}, "
-          f"max_new_tokens {args.max_new_tokens}, "
+          f"max_new_tokens {args.max_new_tokens}, batch size {batch_size}, "
           f"{args.threads} thread(s), target {sum(p.numel() for p in m.target.parameters()) / 1e6:.1f}M params, "
           f"draft {sum(p.numel() for p in m.draft.parameters()) / 1e6:.1f}M")
-    for i, row in enumerate(rows):
-        ids = torch.tensor(row["input_ids"], device=m.device)[None]
-        ref = None
-        for name, fn in methods.items():
+    done = 0
+    for chunk in length_sorted_chunks([r["prompt_tokens"] for r in rows], batch_size):
+        ids = [torch.tensor(rows[i]["input_ids"], device=m.device)[None] for i in chunk]
+        outs = {}
+        for name in methods:
             t0 = time.perf_counter()
-            out = fn(ids)
+            if name == "batched":
+                outs[name] = batched_replay_label_prompts(engine, ids, cands, args.max_new_tokens)
+            else:
+                outs[name] = [one[name](x) for x in ids]
             seconds[name] += time.perf_counter() - t0
-            key = (out.tau, out.steps, out.label_index)
-            ref = key if ref is None else ref
-            agree[name] &= key == ref
-        if (i + 1) % 8 == 0:
-            print(f"  {i + 1}/{len(rows)} prompts", flush=True)
+        for name in methods:
+            agree[name] += sum((o.tau, o.steps, o.label_index) == (r.tau, r.steps, r.label_index)
+                               for o, r in zip(outs[name], outs["naive"]))
+        done += len(chunk)
+        print(f"  {done}/{len(rows)} prompts", flush=True)
     n = len(rows)
     print(f"\n{'method':<12} {'prompts/s':>10} {'s/prompt':>9} {'vs naive':>9}  labels = naive's")
     for name in methods:
         print(f"{name:<12} {n / seconds[name]:>10.3f} {seconds[name] / n:>9.3f} "
-              f"{seconds['naive'] / seconds[name]:>8.2f}x  {'yes' if agree[name] else 'NO'}")
-    ratio = seconds["naive"] / seconds["replay"]
-    print(f"ratio replay/naive = {ratio:.2f} (labels identical: {'yes' if agree['replay'] else 'no'})")
+              f"{seconds['naive'] / seconds[name]:>8.2f}x  {agree[name]}/{n}")
+    if "replay" in methods:
+        print(f"ratio replay/naive = {seconds['naive'] / seconds['replay']:.2f} (labels agree: {agree['replay']}/{n})")
+    if "batched" in methods:
+        ratio = seconds["naive"] / seconds["batched"]
+        print(f"ratio batched/naive = {ratio:.2f} (labels agree: {agree['batched']}/{n})")
     return 0
 
 

@@ -211,7 +211,8 @@ def _convolve(hidden, dynamic, base, group_size, local):
     output = torch.zeros_like(blocks)
     for offset in range(min(base.shape[0], length)):  # a larger offset reads only padding: adds zeros
         values = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
-        values = values.masked_fill((local < offset).view(1, length, 1, 1), 0)
+        # local is [length] (one row of blocks) or [batch, length] (pipeline.batched: a row of blocks per prompt).
+        values = values.masked_fill((local < offset).view(-1, length, 1, 1), 0)
         kernel = base[offset].view(1, 1, groups, group_size).to(hidden.dtype)
         output = output + kernel * values
         output = torch.addcmul(output, dynamic[:, :, offset], values)

@@ -1,0 +1,50 @@
+"""profile: the cost model alone (pipeline/cost.py) -> ``cost_profile.json``, e.g. on a serving machine.
+
+Seconds per decode step at every b in 1..2B (draft forward and target verify timed apart, at a few context
+lengths, warmed up and repeated until stable), the affine fit and the raw points. Train takes it as
+``train.cost_profile=PATH`` to label for that machine; label measures the same once per worker by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+from pipeline.config import PipelineConfig
+from pipeline.log import get as log
+from pipeline.storage import location
+
+
+def run(cfg: PipelineConfig) -> Dict[str, Any]:
+    import torch
+
+    from pipeline.cost import FILENAME, profile_for
+    from pipeline.engine import Engine
+    from pipeline.models import load_models, model_revision
+    from stages.label import trained_block_size
+
+    t0 = time.monotonic()
+    out = location(cfg.profile.output) if cfg.profile.output else location(cfg.output_dir) / FILENAME
+    m = cfg.model
+    models = load_models(m)
+    if models.device.type == "cpu":
+        torch.set_num_threads(1)  # as a label worker of one CPU runs (workers.cpus_per_worker = 1)
+    engine = Engine(models.target, models.draft, models.stop_token_ids)
+    B = trained_block_size(cfg)
+    revisions = {"target_revision": model_revision(m.target, m.target_revision),
+                 "draft_revision": model_revision(m.draft, m.draft_revision)}
+    log("profile").info(f"timing draft and verify per step at b = 1..{cfg.profile.max_block_size or 2 * B} on "
+                        f"{models.device}/{str(models.dtype).replace('torch.', '')}")
+    profile = profile_for(engine, cfg, B, (), {**revisions, "worker": "profile"})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    f = profile.fit
+    log("profile").info(f"{out}: draft {f['draft']['intercept'] * 1e3:.3f} + {f['draft']['slope'] * 1e3:.4f} b ms, "
+                        f"verify {f['verify']['intercept'] * 1e3:.3f} + {f['verify']['slope'] * 1e3:.4f} b ms "
+                        f"({profile.meta['rounds']} rounds, stable={profile.meta['stable']}, "
+                        f"{profile.meta['wall_seconds']} s)")
+    return {"stage": "profile", "status": "done", "output": str(out),
+            "seconds_ms": {b: round(s * 1e3, 3) for b, s in sorted(profile.seconds.items())},
+            "spread": {b: round(s, 3) for b, s in sorted(profile.spread.items())}, "fit": f,
+            "rounds": profile.meta["rounds"], "stable": profile.meta["stable"],
+            "wall_seconds": round(time.monotonic() - t0, 1)}

@@ -1,0 +1,140 @@
+"""The cost model (pipeline/cost.py) on the real tiny pair, and the speed policy's fallback rule and calibration."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError, ModelConfig, load_config
+from pipeline.cost import FORMAT, CostProfile, fit_affine, measure_profile
+from pipeline.engine import Engine
+from pipeline.models import load_models
+from pipeline.policy import (SPEED_SCORE, BlockSizeMLP, BlockSizePolicy, calibrate_margin, speed_gain,
+                             speed_targets, split_of)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    m = load_models(ModelConfig())
+    return m, Engine(m.target, m.draft, m.stop_token_ids)
+
+
+def test_profile_times_draft_and_verify_apart_keeps_raw_points_and_round_trips(tiny, tmp_path):
+    m, engine = tiny
+    stops = engine.stop_token_ids
+    p = measure_profile(engine, [1, 2, 16], m.vocab_size, context_lengths=(32, 96), steps=8, min_repeats=3,
+                        max_repeats=3, meta={"target": "t"})
+    assert engine.stop_token_ids == stops  # restored
+    assert sorted(p.seconds) == [1, 2, 16] and p.meta["rounds"] == 3 and p.meta["target"] == "t"
+    assert p.measured[1]["draft"] < 0.1 * p.measured[1]["verify"]  # b = 1 never drafts
+    assert p.measured[2]["draft"] > 0 and p.measured[16]["draft"] > 0
+    # Every timed decode ran about the asked steps (the token budget comes from the warm-up's own acceptance; the
+    # last block may be cut short, which changes the draft's proposals there).
+    assert len(p.raw) == 3 * 3 * 2 and all(8 <= r["steps"] <= 9 for r in p.raw)
+    # A b = 16 step drafts and verifies 8x the tokens of a b = 2 step: the model must show the growth.
+    assert p.fit["draft"]["slope"] > 0 and p.fit["verify"]["slope"] > 0 and p.cost(16) > 1.1 * p.cost(2)
+    assert p.cost(9) == pytest.approx(p.cost(2) + 7 / 14 * (p.cost(16) - p.cost(2)))  # b between: the fit
+    p.save(tmp_path / "cost_profile.json")
+    d = json.loads((tmp_path / "cost_profile.json").read_text())
+    assert d["format"] == FORMAT and set(d["seconds"]) == {"1", "2", "16"} and len(d["raw"]) == 18
+    for key in ("hardware", "device", "dtype", "spread", "fit", "context_lengths", "settings", "stable"):
+        assert key in d, key
+    again = CostProfile.load(tmp_path / "cost_profile.json")
+    assert again.costs([1, 2, 16]) == p.costs([1, 2, 16]) and again.raw == p.raw
+    with pytest.raises(KeyError):
+        CostProfile({1: 0.1}).cost(5)
+
+
+def test_fit_affine_recovers_a_line():
+    f = fit_affine([2, 4, 8], [0.5 + 0.25 * b for b in (2, 4, 8)])
+    assert f["intercept"] == pytest.approx(0.5) and f["slope"] == pytest.approx(0.25)
+
+
+def test_speed_targets_and_gain():
+    tau = np.array([[2.0, 3.0, 3.5], [2.0, 2.0, 2.0]])
+    costs = np.array([1.0, 1.2, 1.5])
+    t = speed_targets(tau, costs, 1)
+    assert t[:, 1] == pytest.approx([0, 0]) and t[0, 2] == pytest.approx(np.log(3.5 / 1.5) - np.log(3.0 / 1.2))
+    # Time per token = cost / tau; choosing b index 0 on row 1 saves time there.
+    fb = np.array([1, 1])
+    g = speed_gain(tau, costs, np.array([1, 0]), fb)
+    assert g == pytest.approx((1.2 / 3 + 1.2 / 2) / (1.2 / 3 + 1.0 / 2) - 1)
+    assert speed_gain(tau, costs, fb, fb) == 0
+
+
+def test_calibrated_margin_switches_only_where_predictions_pay():
+    rng = np.random.default_rng(0)
+    n, costs = 400, np.array([1.0, 1.0, 1.0])
+    tau = np.full((n, 3), 3.0)
+    good = rng.random(n) < 0.3
+    tau[good, 2] = 3.6  # the last candidate really is faster on 30 % of the rows, slower on the others
+    tau[~good, 2] = 2.7
+    pred_gain = np.where(good, 0.2, 0.0) + rng.normal(0, 0.02, n)  # informative predictions
+    best = np.full(n, 2)
+    cal = calibrate_margin(pred_gain, best, tau, costs, 0)
+    assert cal["margin"] is not None and 0.03 < cal["calibration_gain"] <= speed_gain(
+        tau, costs, np.where(good, 2, 0), np.zeros(n, dtype=int)) + 1e-9
+    assert 0.04 < cal["margin"] < 0.16 and abs(cal["calibration_switched"] - good.sum()) <= 3
+    # Predictions that carry nothing: switching never pays, so the policy always answers the fallback.
+    tau_bad = np.full((n, 3), 3.0)
+    tau_bad[:, 2] = 2.5
+    cal = calibrate_margin(rng.normal(0, 0.1, n), best, tau_bad, costs, 0)
+    assert cal["margin"] is None and cal["calibration_gain"] == 0
+
+
+def speed_policy(vocab, margin, fallback=8):
+    torch.manual_seed(0)
+    info = {"score": SPEED_SCORE, "fallback_block_size": fallback, "margin": margin, "score_scale": 1.0}
+    return BlockSizePolicy(BlockSizeMLP(vocab, 5, hidden=64, n_layers=2), [6, 7, 8, 9, 10], vocab, "none", info)
+
+
+def test_choose_falls_back_unless_the_predicted_gain_beats_the_margin(tiny, tmp_path):
+    m, engine = tiny
+    x = torch.randn(64, m.vocab_size) * 3
+    pol = speed_policy(m.vocab_size, margin=0.0)
+    s = pol.scores(x)
+    gain = (s.max(-1).values - s[:, 2]).numpy()
+    margin = float(np.median(gain[gain > 0]))
+    pol = speed_policy(m.vocab_size, margin=margin)
+    chosen = pol.choose_batch(x)
+    argmax = [pol.candidates[i] for i in s.argmax(-1).tolist()]
+    for c, a, g in zip(chosen, argmax, gain):
+        assert c == (a if g > margin else 8)
+    assert 8 in chosen and set(chosen) - {8}  # both branches taken
+    assert set(speed_policy(m.vocab_size, margin=None).choose_batch(x)) == {8}  # no margin: always the fallback
+    # Exported in policy.json, reloaded, and the folded form makes the same choices from the hidden state.
+    pol.save_pretrained(tmp_path / "p")
+    meta = json.loads((tmp_path / "p" / "policy.json").read_text())
+    assert meta["fallback_block_size"] == 8 and meta["margin"] == margin
+    again = BlockSizePolicy.from_pretrained(tmp_path / "p")
+    assert again.choose_batch(x) == chosen
+    ids = torch.randint(0, m.vocab_size, (1, 40))
+    state = engine.prefill(ids)
+    from pipeline.adaptive import AdaptiveDecoder
+
+    folded = again.fold(m.target.lm_head)
+    assert folded.fallback_block_size == 8 and folded.margin == margin
+    assert AdaptiveDecoder(engine, folded).choose(state)[0] == AdaptiveDecoder(engine, again).choose(state)[0]
+
+
+def test_splits_are_disjoint_and_keep_val_as_before():
+    from pipeline.policy import is_val
+
+    ids = [f"p{i}" for i in range(2000)]
+    splits = [split_of(i, 0.1, 0.15) for i in ids]
+    assert all((s == "val") == is_val(i, 0.1) for i, s in zip(ids, splits))
+    share = {k: splits.count(k) / len(ids) for k in ("train", "calib", "val")}
+    assert abs(share["calib"] - 0.15) < 0.03 and abs(share["val"] - 0.1) < 0.03
+
+
+def test_config_keys_of_the_cost_model_and_the_objective_fail_fast():
+    cfg = load_config()
+    assert cfg.train.objective == "speed" and cfg.train.cost_profile is None and cfg.profile.steps >= 8
+    for bad, key in (("train.objective=argmax", "train.objective"), ("profile.min_repeats=9", "profile.min_repeats"),
+                     ("train.calibration_fraction=0.95", "train.calibration_fraction"),
+                     ("train.checkpoint_every=0", "train.checkpoint_every")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config([bad])
+    assert load_config(["train.objective=paper"]).train.objective == "paper"

@@ -105,8 +105,30 @@ class LabelConfig:
     num_workers: Optional[int] = None
     # auto (= replay at T = 0, else exhaustive) | exhaustive | replay
     mode: str = "auto"
-    # Per-step latency probe at actor start-up: decode steps timed per candidate.
-    cost_probe_steps: int = 8
+    # Prompts per actor forward in replay mode (pipeline/batched.py: one batched greedy decode of the target, then
+    # the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1 (the
+    # reference). How the default was measured: pipeline/conf/default.yaml.
+    batch_size: int = 32
+
+
+@dataclass
+class ProfileConfig:
+    """The cost model (pipeline/cost.py): seconds per decode step, draft and verify timed apart, at every b in
+    1..max_block_size. `blockpilot profile` writes it alone; every label worker measures it once at start-up."""
+
+    # Where `blockpilot profile` writes cost_profile.json; None = output_dir/cost_profile.json.
+    output: Optional[str] = None
+    # Largest b measured; None = 2B.
+    max_block_size: Optional[int] = None
+    # Prompt lengths (tokens) the steps are timed after; the model is their mean.
+    context_lengths: List[int] = field(default_factory=lambda: [64, 256])
+    # Verify steps per timed decode (at least): short probes of 1-2 steps were noise.
+    steps: int = 16
+    # Rounds (every b once per round, shuffled): at least min_repeats, then until the fitted cost of every b moves
+    # by less than rel_tol in one round, at most max_repeats.
+    min_repeats: int = 3
+    max_repeats: int = 5
+    rel_tol: float = 0.02
 
 
 @dataclass
@@ -120,11 +142,22 @@ class TrainConfig:
     epochs: int = 100
     batch_size: int = 32
     val_fraction: float = 0.1
-    # hard (cross-entropy on the label) | soft (softmax of tau over candidates)
-    objective: str = "hard"
+    # speed: regress every candidate's decode speed tau(b) / cost(b) (relative to the fallback b) and pick the
+    #   fastest, falling back to the best fixed b unless the predicted gain beats a calibrated margin;
+    # paper: the BlockPilot paper end to end (cross-entropy on the argmax-tau label, argmax, no fallback);
+    # hard: cross-entropy on `label`; soft: cross-entropy on the softmax of tau over candidates.
+    objective: str = "speed"
     soft_temperature: float = 1.0
-    # tau | speedup (the cost-aware label)
+    # hard only: tau (argmax tau) | speedup (argmax tau / cost under train.cost_profile)
     label: str = "tau"
+    # The cost profile (cost_profile.json) the speed targets use; None = the labelling one (labels/cost_profile.json).
+    # One label set serves any deployment: give the serving machine's profile here.
+    cost_profile: Optional[str] = None
+    # Share of the label set (by prompt-id hash, disjoint from train and val) the fallback margin is calibrated on.
+    calibration_fraction: float = 0.15
+    # Ray Train report (with a checkpoint) every N epochs and at the last: each report costs ~2 s on a small CPU
+    # box. A killed run resumes from the last checkpoint, so it loses at most N - 1 epochs.
+    checkpoint_every: int = 10
     num_workers: int = 1
     # None = train on GPUs when the cluster has one per worker.
     use_gpu: Optional[bool] = None
@@ -145,6 +178,26 @@ class EvaluateConfig:
     # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
     fixed_block_sizes: Optional[List[int]] = None
     limit: Optional[int] = None
+    num_workers: Optional[int] = None
+    # Also decode with the per-step rule `blockpilot tune` chose (alone at its b_max, and inside the policy's b),
+    # when output_dir/tune is complete.
+    per_step: bool = True
+
+
+@dataclass
+class TuneConfig:
+    """Per-step verify length (pipeline/step_rules.py), chosen on the label set's held-out (val) prompts, never on
+    the evaluation sets: every rule of `rules` at every b_max of `max_block_sizes` is decoded on `limit` of them,
+    and the fastest by modelled time (the cost profile) is what evaluate runs."""
+
+    # Step rules to try: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK.
+    # The thresholds are small because a product of top-1 probabilities falls fast with the position.
+    rules: List[str] = field(default_factory=lambda: ["threshold:0.01", "threshold:0.02", "threshold:0.05",
+                                                      "threshold:0.1", "ema:0.5:2"])
+    # Drafted block sizes b_max; None = [1.5 B, 2 B] (a rule only ever cuts, so b_max sits above the fixed optimum).
+    max_block_sizes: Optional[List[int]] = None
+    # Held-out label prompts decoded (the first `limit` of the val split, by prompt-id hash).
+    limit: int = 48
     num_workers: Optional[int] = None
 
 
@@ -177,8 +230,10 @@ class PipelineConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     label: LabelConfig = field(default_factory=LabelConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -187,7 +242,7 @@ _CHOICES = {
     "model.dtype": ("auto", "float32", "float16", "bfloat16"),
     "label.mode": ("auto", "exhaustive", "replay"),
     "train.input_transform": ("none", "softmax", "log_softmax", "standardize"),
-    "train.objective": ("hard", "soft"),
+    "train.objective": ("speed", "paper", "hard", "soft"),
     "train.label": ("tau", "speedup"),
 }
 _SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
@@ -211,6 +266,7 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
     _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
+    _check(cfg.label.batch_size >= 1, "label.batch_size", "must be >= 1")
     _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
     _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
@@ -219,10 +275,30 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.prepare.max_prompt_tokens >= 1, "prepare.max_prompt_tokens", "must be >= 1")
     _check(cfg.prepare.limit is None or cfg.prepare.limit >= 1, "prepare.limit", "must be >= 1")
     _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
+    _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
+           "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")
+    _check(cfg.train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    pr = cfg.profile
+    _check(pr.max_block_size is None or pr.max_block_size >= 1, "profile.max_block_size", "must be >= 1")
+    _check(len(pr.context_lengths) >= 1 and all(c >= 1 for c in pr.context_lengths), "profile.context_lengths",
+           "needs at least one length >= 1")
+    _check(pr.steps >= 1, "profile.steps", "must be >= 1")
+    _check(1 <= pr.min_repeats <= pr.max_repeats, "profile.min_repeats", "must be in [1, profile.max_repeats]")
+    _check(pr.rel_tol > 0, "profile.rel_tol", "must be > 0")
     _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
     _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
     _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
+    _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
+    _check(cfg.tune.max_block_sizes is None or all(b >= 2 for b in cfg.tune.max_block_sizes),
+           "tune.max_block_sizes", "every b_max must be >= 2")
+    from .step_rules import parse_rule
+
+    for i, rule in enumerate(cfg.tune.rules):
+        try:
+            parse_rule(rule)
+        except ValueError as err:
+            raise ConfigError(f"config key 'tune.rules[{i}]': {err}") from None
     for section in ("prepare", "evaluate"):
         names = set()
         for i, src in enumerate(getattr(cfg, section).sources):

@@ -60,13 +60,16 @@ LABEL_COLUMNS: List[tuple] = [
     ("new_tokens", pa.list_(pa.int32()), "Tokens generated at each candidate (first token included). At T = 0 equal "
      "across candidates (lossless decoding)."),
     ("decode_seconds", pa.list_(pa.float32()), "Wall seconds of the decode at each candidate on the labelling "
-     "hardware (replay mode: the draft replay plus the shared target decode's seconds at B; see metadata)."),
+     "hardware (replay mode: the draft replay plus the shared target decode's seconds at B; batched replay, "
+     "metadata `blockpilot.label_batch_size` > 1: an equal share of the row's share of its batch; see metadata)."),
     ("label_block_size", pa.int16(), "argmax over candidates of tau; ties go to the smaller block size."),
     ("label_index", pa.int16(), "Index of label_block_size in `candidates` (the class index for training)."),
     ("label_speedup_block_size", pa.int16(), "Cost-aware label: argmax over b of tau(b) / cost(b), where cost(b) is "
-     "the per-step draft + verify latency at b measured once by the worker at start-up (metadata "
-     "`blockpilot.step_cost_seconds`); ties to the smaller b. tau/cost is tokens per second of decoding."),
-    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
+     "the per-step draft + verify latency at b of the worker's cost profile, measured once at start-up (metadata "
+     "`blockpilot.step_cost_seconds`, `blockpilot.cost_profile`); ties to the smaller b. tau/cost is tokens per "
+     "second of decoding. Train recomputes it from `tau` under any profile (`train.cost_profile`)."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill (batched replay: an equal share of the "
+     "batch's prefill)."),
     ("worker", pa.string(), "Which worker labelled the row: node id and GPU id (or cpu-N)."),
 ]
 
@@ -76,8 +79,8 @@ LABEL_COLUMNS: List[tuple] = [
 RESULT_COLUMNS = [
     ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
     ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
-    ("method", pa.string(), "AR, b=N, adaptive or oracle."),
-    ("kind", pa.string(), "autoregressive, fixed, adaptive or oracle."),
+    ("method", pa.string(), "AR, b=N, adaptive, per-step, adaptive+per-step or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive, per-step, adaptive+per-step or oracle."),
     ("block_size", pa.int16(), "The block size decoded with (the policy's or the oracle's choice; 1 for AR)."),
     ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
     ("steps", pa.int32(), "Verify steps."),
@@ -89,6 +92,12 @@ RESULT_COLUMNS = [
     ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
      "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
+    ("step_rule", pa.string(), "per-step and adaptive+per-step rows: the per-step verify rule tune chose "
+     "(pipeline.step_rules); `block_size` is then the drafted block b_max. Null elsewhere."),
+    ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (steps x cost(b); per-step rows: the "
+     "draft's pass at b_max plus the verify over the tokens sent, per step). Null without a profile."),
+    ("folded_block_size", pa.int16(), "adaptive rows: the choice of the same policy folded through lm_head (reading "
+     "the final hidden state, BlockSizePolicy.fold); evaluate counts where it equals `block_size`. Null elsewhere."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 
@@ -114,7 +123,11 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
     "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
     "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
-    "step_cost_seconds": "{b: seconds per decode step (draft + verify)} measured by the worker at start-up.",
+    "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
+    "profile's model.",
+    "cost_profile": "The worker's whole cost profile (the `cost_profile.json` format below, raw points included), "
+    "measured once at start-up; `cost_profile.json` beside the shards is the one of the worker that labelled the most "
+    "rows.",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
     "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
@@ -182,9 +195,12 @@ versions.
 
 * `label_block_size = candidates[argmax_i tau[i]]`, ties to the smaller b (the BlockPilot paper's label).
 * `label_speedup_block_size = candidates[argmax_i tau[i] / cost(candidates[i])]`, ties to the smaller b, where
-  `cost(b)` is the mean seconds of one decode step (draft forward + target verify) at block size b, measured once
-  per worker at start-up on its own hardware over a fixed synthetic prompt. `tau(b) / cost(b)` is decoded tokens
-  per second, so this label picks the fastest b rather than the longest acceptance.
+  `cost(b)` is the seconds of one decode step (draft forward + target verify) at block size b under the worker's
+  cost profile (`cost_profile.json`, measured once per worker at start-up on its own hardware: b = 1..2B, draft and
+  verify timed apart, an affine fit in b). `tau(b) / cost(b)` is decoded tokens per second, so this label picks the
+  fastest b rather than the longest acceptance. Training (`train.objective=speed`) recomputes the speed of every
+  candidate from `tau` under `train.cost_profile` (default: this folder's `cost_profile.json`), so one label set
+  serves any deployment.
 
 ## Schema metadata (key-value, JSON-encoded values)
 

@@ -97,6 +97,9 @@ def measure_step_costs(engine: Engine, block_sizes: Sequence[int], vocab_size: i
                        steps: int = 8, repeats: int = 2, seed: int = 0) -> Dict[int, float]:
     """Seconds per decode step (draft forward + target verify) at each block size on this worker's hardware.
 
+    Superseded by :func:`pipeline.cost.measure_profile` (label uses that): this short probe measures one or two
+    steps per b (``steps`` tokens at tau ~4) and cannot tell b = 6 from b = 10. Kept for comparison only.
+
     A fixed synthetic prompt; no stop tokens so every probe runs its steps; the first repeat warms up and the
     fastest of the rest is kept (the least disturbed by other load).
     """

@@ -17,6 +17,9 @@ from torch import nn
 from torch.nn import functional as F
 
 TRANSFORMS = ("none", "softmax", "log_softmax", "standardize")
+# policy.json "score" of a speed policy: the MLP's outputs / score_scale estimate log(speed(b) / speed(fallback)),
+# speed = tau(b) / cost(b). A classifier's outputs are class logits ("class_logits").
+SPEED_SCORE = "log_speed_ratio"
 
 
 class BlockSizeMLP(nn.Module):
@@ -116,12 +119,44 @@ class BlockSizePolicy:
         x = self._check(x if x.dim() == 2 else x.reshape(1, -1))
         return self.model(transform_inputs(x.to(self.device), self.input_transform))
 
+    @property
+    def fallback_block_size(self) -> Optional[int]:
+        """The best fixed b (chosen on the training split) that a speed policy answers unless it predicts a gain
+        above ``margin``; None for a classifier (objective paper / hard / soft), which always takes its argmax."""
+        b = self.info.get("fallback_block_size")
+        return None if b is None or self.info.get("score") != SPEED_SCORE else int(b)
+
+    @property
+    def margin(self) -> Optional[float]:
+        """Predicted gain (log speed ratio over the fallback) a choice must exceed; None = always the fallback."""
+        m = self.info.get("margin")
+        return None if m is None else float(m)
+
+    def predicted_gain(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per row: the best candidate's predicted log speed ratio over the fallback's (speed policies)."""
+        f = self.candidates.index(self.fallback_block_size)
+        scale = float(self.info.get("score_scale", 1.0))
+        return (scores.max(dim=-1).values - scores[:, f]) * scale
+
+    def decide(self, scores: torch.Tensor) -> List[int]:
+        """Candidate indices from scores [N, |C|]: the argmax, or for a speed policy the fallback unless the
+        predicted gain exceeds the margin."""
+        best = scores.argmax(dim=-1)
+        if self.fallback_block_size is None:
+            return best.tolist()
+        f = self.candidates.index(self.fallback_block_size)
+        if self.margin is None:
+            return [f] * scores.shape[0]
+        take = self.predicted_gain(scores) > self.margin
+        return torch.where(take, best, torch.full_like(best, f)).tolist()
+
     def choose(self, logits: Union[torch.Tensor, np.ndarray]) -> int:
-        """The block size for one prompt, from its raw last-position prefill logits [V]."""
-        return self.candidates[int(self.scores(logits)[0].argmax())]
+        """The block size for one prompt, from its raw last-position prefill logits [V] (a folded policy: the final
+        hidden state [H])."""
+        return self.candidates[self.decide(self.scores(logits))[0]]
 
     def choose_batch(self, logits) -> List[int]:
-        return [self.candidates[i] for i in self.scores(logits).argmax(dim=-1).tolist()]
+        return [self.candidates[i] for i in self.decide(self.scores(logits))]
 
     def save_pretrained(self, folder: Union[str, Path]) -> None:
         from safetensors.torch import save
@@ -155,11 +190,71 @@ class BlockSizePolicy:
         return cls(model.to(device), meta["candidates"], meta["vocab_size"], meta.get("input_transform", "none"), info)
 
 
-def is_val(prompt_id: str, val_fraction: float) -> bool:
-    """Deterministic train/val split by a hash of prompt_id (stable across runs, machines and shard layouts)."""
+def _unit(prompt_id: str) -> float:
     import hashlib
 
-    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
+    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) / 2**32
+
+
+def is_val(prompt_id: str, val_fraction: float) -> bool:
+    """Deterministic train/val split by a hash of prompt_id (stable across runs, machines and shard layouts)."""
+    return _unit(prompt_id) < val_fraction
+
+
+def split_of(prompt_id: str, val_fraction: float, calibration_fraction: float = 0.0) -> str:
+    """"val" (as :func:`is_val`), "calib" (the next ``calibration_fraction`` of the hash range: where the fallback
+    margin is calibrated) or "train"."""
+    u = _unit(prompt_id)
+    return "val" if u < val_fraction else "calib" if u < val_fraction + calibration_fraction else "train"
+
+
+def speed_targets(tau: np.ndarray, costs: np.ndarray, fallback_index: int) -> np.ndarray:
+    """log(speed(b) / speed(fallback)) per row and candidate, speed = tau / cost (tokens per second)."""
+    logspeed = np.log(np.maximum(tau, 1e-6)) - np.log(costs)[None, :]
+    return logspeed - logspeed[:, fallback_index:fallback_index + 1]
+
+
+def speed_gain(tau: np.ndarray, costs: np.ndarray, chosen: np.ndarray, baseline: np.ndarray) -> float:
+    """Modelled gain of the chosen candidates over the baseline ones: mean time per token (cost / tau) of the
+    baseline / the chosen's, minus 1 (the ratio of means evaluate's speedups use)."""
+    rows = np.arange(len(tau))
+    t = costs[None, :] / np.maximum(tau, 1e-6)
+    return float(t[rows, baseline].mean() / t[rows, chosen].mean() - 1) if len(tau) else 0.0
+
+
+def calibrate_margin(gain_pred: np.ndarray, best: np.ndarray, tau: np.ndarray, costs: np.ndarray,
+                     fallback_index: int, reps: int = 1000, seed: int = 0) -> Dict[str, Any]:
+    """The margin on predicted gain that maximises the modelled gain over always-fallback on held-out rows: every
+    distinct predicted gain is a threshold (switch where the prediction is strictly above it). None when no
+    threshold gains, or when the best one's gain is not above zero at its lower 5 % bootstrap bound (the policy then
+    always answers the fallback)."""
+    fb = np.full(len(tau), fallback_index)
+    best_m, best_g, switched = None, 0.0, 0
+    # Ascending thresholds, the first switching every row the model prefers; on a tie the larger margin wins
+    # (fewer switches for the same held-out gain).
+    thresholds = [float(gain_pred.min()) - 1e-9, *np.unique(gain_pred).tolist()] if len(gain_pred) else []
+    for m in thresholds:
+        chosen = np.where(gain_pred > m, best, fb)
+        g = speed_gain(tau, costs, chosen, fb)
+        if g > 1e-12 and g >= best_g - 1e-12:
+            best_m, best_g, switched = float(m), max(g, best_g), int((chosen != fb).sum())
+    # A gain the calibration rows cannot tell from zero is not worth the risk: with the chosen margin, resample the
+    # rows (paired bootstrap); unless the gain's lower 5 % bound is above zero, always answer the fallback.
+    lower = None
+    if best_m is not None:
+        chosen = np.where(gain_pred > best_m, best, fb)
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(0, len(tau), size=(reps, len(tau)))
+        t = costs[None, :] / np.maximum(tau, 1e-6)
+        rows = np.arange(len(tau))
+        t_fb, t_ch = t[rows, fb], t[rows, chosen]
+        lower = float(np.percentile(t_fb[idx].mean(axis=1) / t_ch[idx].mean(axis=1) - 1, 5))
+    out = {"margin": best_m, "calibration_gain": best_g, "calibration_switched": switched,
+           "calibration_rows": int(len(tau)), "calibration_gain_lower5": lower}
+    if best_m is not None and not lower > 0:
+        out.update(margin=None, rejected_margin=best_m, why="the calibration gain's lower 5 % bootstrap bound is "
+                   "not above zero: always the fallback")
+    return out
 
 
 def choice_metrics(scores: torch.Tensor, label_index: np.ndarray, tau: np.ndarray, fixed_index: int,

@@ -40,7 +40,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 RAY_UPLOAD_CAP = 100 * 1024 ** 2
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Stages with an entrypoint under jobs/ (report runs where the run folder is: `blockpilot report`).
-JOB_STAGES = ("prepare", "label", "train", "evaluate", "run")
+JOB_STAGES = ("prepare", "label", "train", "tune", "evaluate", "run")
 # Excluded always, whatever git or .gitignore say (recent Ray excludes these by default too; older Ray does not).
 ALWAYS_EXCLUDED = [".git", "__pycache__"]
 # Ray's own default excludes (ray_constants.RAY_RUNTIME_ENV_DEFAULT_EXCLUDES), used only to predict the package

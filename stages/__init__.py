@@ -35,18 +35,27 @@ STAGES = {
         StageInfo("prepare", "prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids "
                   "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
-                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "workers", "ray"),
+                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "profile", "workers",
+                                                                         "ray"),
                   "stages.label"),
+        StageInfo("profile", "the cost model alone: seconds per decode step (draft and verify apart) at every b in "
+                  "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
+                  ("model", "decode", "label", "profile"), "stages.profile"),
         StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
                   "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
                   "stages.train"),
+        StageInfo("tune", "choose the per-step verify rule (draft confidence / running acceptance) on the label "
+                  "set's held-out prompts by modelled time (output_dir/tune/step_rule.json)",
+                  ("model", "decode", "tune", "workers", "ray"), "stages.tune"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
                   "on held-out prompt sets (output_dir/eval/)",
                   ("model", "decode", "prepare", "evaluate", "workers", "ray"),
                   "stages.evaluate"),
         StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
                   "stages.report"),
-        StageInfo("run", "prepare -> label -> train -> evaluate -> report; stages already complete are skipped",
-                  ("model", "decode", "prepare", "label", "train", "evaluate", "workers", "ray"), "stages.run"),
+        StageInfo("run", "prepare -> label -> train -> tune -> evaluate -> report; stages already complete are "
+                  "skipped", ("model", "decode", "prepare", "label", "profile", "train", "tune", "evaluate", "workers",
+                              "ray"),
+                  "stages.run"),
     )
 }

@@ -35,7 +35,10 @@ from .common import execute
 from .decoding import DecodingStage
 from .prepare import PrepareStage
 
+from pipeline.step_rules import parse_rule
+
 POLICY_FILES = ("policy.json", "model.safetensors")
+COST_PROFILE = "cost_profile.json"  # train copies the profile its policy was trained with beside the policy
 
 
 def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
@@ -51,8 +54,12 @@ def prompt_sets(cfg: PipelineConfig) -> PrepareStage:
                         section="evaluate")
 
 
-def methods_for(fixed: List[int]) -> List[str]:
-    return ["AR", *[f"b={b}" for b in fixed], "adaptive", "oracle"]
+PER_STEP, POLICY_PER_STEP = "per-step", "adaptive+per-step"
+
+
+def methods_for(fixed: List[int], per_step: bool = False) -> List[str]:
+    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([PER_STEP, POLICY_PER_STEP] if per_step else []),
+            "oracle"]
 
 
 class EvaluateStage(DecodingStage):
@@ -65,6 +72,7 @@ class EvaluateStage(DecodingStage):
         out = location(cfg.output_dir)
         super().__init__(cfg, out / "eval", prompt_sets(cfg).folder, cfg.evaluate.num_workers)
         self.train_dir, self.policy_dir = out / "train", out / "train" / "policy"
+        self.tune_dir = out / "tune"
 
     def requires(self):
         return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot evaluate")]  # see run()
@@ -86,17 +94,32 @@ class EvaluateStage(DecodingStage):
         return sorted(self.cfg.evaluate.fixed_block_sizes or default_fixed_block_sizes(self.block_size,
                                                                                        self.candidates))
 
+    @cached_property
+    def step_rule(self) -> Optional[Dict[str, Any]]:
+        """The per-step rule `blockpilot tune` chose on held-out label prompts (tune/step_rule.json), when
+        evaluate.per_step and the tune stage is complete; else None."""
+        from pipeline.shards import is_complete
+
+        from .tune import RULE_FILE
+
+        if not self.cfg.evaluate.per_step or not is_complete(self.tune_dir):
+            return None
+        return json.loads((self.tune_dir / RULE_FILE).read_text())
+
     @property
     def methods(self) -> List[str]:
-        return methods_for(self.fixed)
+        return methods_for(self.fixed, self.step_rule is not None)
 
     @property
     def rows_per_input(self) -> int:
         return len(self.methods)
 
     def fingerprint(self) -> Dict[str, Any]:
+        profile = self.policy_dir / COST_PROFILE
         return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "fixed": self.fixed,
                 "policy_sha256": {f: file_sha256(self.policy_dir / f) for f in POLICY_FILES},
+                "cost_profile_sha256": file_sha256(profile) if profile.exists() else None,
+                "step_rule": self.step_rule and {k: self.step_rule[k] for k in ("rule", "max_block_size")},
                 "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
 
     def describe(self) -> str:
@@ -113,11 +136,43 @@ class EvaluateStage(DecodingStage):
             raise ValueError(f"policy {self.policy_dir} was trained on V={policy.vocab_size}, "
                              f"the target has V={self.models.vocab_size}")
         self.adaptive = AdaptiveDecoder(self.engine, policy)
+        # The serving form: the same policy folded through lm_head, reading the final hidden state; its choice is
+        # recorded beside the plain one on every adaptive row (finalize counts the agreements).
+        try:
+            self.folded = AdaptiveDecoder(self.engine, policy.fold(self.models.target.lm_head))
+        except ValueError:  # a policy on transformed logits does not fold
+            self.folded = None
+        self.cost_profile = self._cost_profile()
+
+    def _cost_profile(self):
+        from pipeline.cost import CostProfile
+
+        path = self.policy_dir / COST_PROFILE
+        return CostProfile.load(path) if path.exists() else None
+
+    def oracle_choice(self, fixed: Dict[int, Any]) -> int:
+        """The per-prompt best candidate: the fastest by modelled time (steps x the profiled step cost; ties to the
+        smaller b) when the policy came with a cost profile, else the longest acceptance (the paper's oracle)."""
+        from pipeline.labeling import argmax_smallest
+
+        cands = self.candidates
+        if self.cost_profile is None:
+            return cands[argmax_smallest([fixed[b].tau for b in cands])]
+        return cands[argmax_smallest([-fixed[b].steps * self.cost_profile.cost(b) for b in cands])]
+
+    def _modelled(self, b: int, res) -> Optional[float]:
+        """Modelled decode seconds: per step, the draft's pass over the block and the verify over what was sent
+        (pipeline.cost.CostProfile.step_seconds); a plain step at b costs cost(b)."""
+        if self.cost_profile is None:
+            return None
+        if res.step_rule is None:
+            return res.steps * self.cost_profile.cost(b)
+        return sum(self.cost_profile.step_seconds(b, v) for v in res.verified)
 
     def _row(self, rec, method, kind, b, res, prefill_s, policy_s, ar_ids) -> Dict[str, Any]:
         import torch
 
-        return {"prompt_id": rec["prompt_id"], "source": rec["source"], "method": method, "kind": kind,
+        return {"modelled_seconds": self._modelled(b, res), "step_rule": None,"prompt_id": rec["prompt_id"], "source": rec["source"], "method": method, "kind": kind,
                 "block_size": b, "tau": res.tau, "steps": res.steps, "new_tokens": res.new_tokens,
                 "decode_seconds": res.decode_seconds,
                 "time_per_output_token": res.decode_seconds / max(1, res.new_tokens),
@@ -134,8 +189,6 @@ class EvaluateStage(DecodingStage):
         return greedy_reference(self.models.target, ids, self.cfg.decode.max_new_tokens, self.engine.stop_token_ids)
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
-        from pipeline.labeling import argmax_smallest
-
         kw, cands = self.decode_kwargs(), self.candidates
 
         def measure(rec):
@@ -143,16 +196,35 @@ class EvaluateStage(DecodingStage):
             state = self.engine.prefill(ids)
             ar = self.engine.decode(state, block_size=1, **kw)
             fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
-            return state, ar, fixed, self.adaptive.generate(ids, state=state, **kw), self.reference(ids, ar)
+            ad = self.adaptive.generate(ids, state=state, **kw)
+            steps = {}
+            if self.step_rule is not None:  # the tuned rule alone at its b_max, and inside the policy's b
+                rule = parse_rule(self.step_rule["rule"])
+                bm = int(self.step_rule["max_block_size"])
+                steps[PER_STEP] = (bm, self.engine.decode(state, block_size=bm, step_rule=rule, **kw))
+                if ad.block_size >= 2:
+                    steps[POLICY_PER_STEP] = (ad.block_size, self.engine.decode(
+                        state, block_size=ad.block_size, step_rule=rule, **kw))
+                else:
+                    steps[POLICY_PER_STEP] = (1, ad.decode)
+            return state, ar, fixed, ad, steps, self.reference(ids, ar)
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids"])
         rows: List[Dict[str, Any]] = []
-        for rec, (state, ar, fixed, ad, ref) in self.each_prompt(input, table, rejects, measure):
+        for rec, (state, ar, fixed, ad, steps, ref) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
             rows.append(self._row(rec, "AR", "autoregressive", 1, ar, p, None, ref))
             rows += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
-            rows.append(self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds, ref))
-            best = cands[argmax_smallest([fixed[b].tau for b in cands])]
+            row = self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds, ref)
+            row["folded_block_size"] = self.folded.choose(state)[0] if self.folded is not None else None
+            rows.append(row)
+            for method, (b, res) in steps.items():
+                r = self._row(rec, method, method, b, res, p, ad.policy_seconds if method == POLICY_PER_STEP else None,
+                              ref)
+                r["step_rule"] = self.step_rule["rule"]
+                r["modelled_seconds"] = self._modelled(b, res)
+                rows.append(r)
+            best = self.oracle_choice(fixed)
             rows.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ref))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
                 "max_new_tokens": self.cfg.decode.max_new_tokens}
@@ -162,10 +234,28 @@ class EvaluateStage(DecodingStage):
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
         results = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
         write_parquet_atomic(results, self.folder / "results.parquet", compression="zstd")
+        profile = self._cost_profile()
+        if profile is not None:  # modelled time per token: the profiled step costs (see _modelled) / new tokens
+            modelled = [s / max(1, n) for s, n in zip(results.column("modelled_seconds").to_pylist(),
+                                                      results.column("new_tokens").to_pylist())]
+            results = results.append_column("modelled_time_per_output_token", pa.array(modelled, pa.float64()))
         summary = summarize(results, self.methods)
         summary.update({"candidates": self.candidates, "fixed_block_sizes": self.fixed,
                         "trained_block_size": self.block_size})
         summary["comparisons"] = self.comparisons(results, summary)
+        summary["folded_policy"] = folded_agreement(results)
+        kinds = ("modelled", "wall") if profile is not None else ("wall",)
+        summary["headline"] = {kind: headline_numbers(results, summary, self.policy_info, kind) for kind in kinds}
+        if self.step_rule is not None:
+            # The rule alone, as tune chose it on held-out label prompts (not picked among variants here), and the
+            # same rule inside the policy's choice; each against the same train-chosen fixed b.
+            for key, method in (("per_step", PER_STEP), ("per_step_in_policy", POLICY_PER_STEP)):
+                summary["headline"][key] = {
+                    "rule": self.step_rule["rule"], "method": method,
+                    "max_block_size": self.step_rule["max_block_size"] if method == PER_STEP else "the policy's b",
+                    "chosen_on": self.step_rule.get("chosen_on"), "tune_gain": self.step_rule.get("gain"),
+                    **{kind: headline_numbers(results, summary, self.policy_info, kind, method=method)
+                       for kind in kinds}}
         write_text_atomic(render_markdown(summary), self.folder / "summary.md")
         write_text_atomic(render_csv(summary), self.folder / "summary.csv")
         return summary
@@ -180,7 +270,8 @@ class EvaluateStage(DecodingStage):
         chosen = self.policy_info.get("best_fixed_block_size")
         out = []
         if chosen is not None and f"b={chosen}" in fixed:
-            out.append({"against": f"b={chosen}", "chosen_on": "the label set's train split (by mean tau)",
+            out.append({"against": f"b={chosen}", "chosen_on": "the label set's train split (" + self.policy_info.get(
+                        "best_fixed_chosen_on", "by mean tau").replace("the train split, ", "") + ")",
                         **gain_with_interval(results, "adaptive", f"b={chosen}")})
         out.append({"against": hindsight, "chosen_on": "these evaluation prompts (hindsight, the fastest)",
                     **gain_with_interval(results, "adaptive", hindsight)})
@@ -210,13 +301,18 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
     import polars as pl
 
     df = pl.from_arrow(results)
+    modelled = "modelled_time_per_output_token" in df.columns
     datasets = sorted(df["source"].unique().to_list())
     per = (df.group_by(["source", "method"])
              .agg(pl.col("tau").mean().alias("tau"), pl.col("time_per_output_token").mean().alias("tpot"),
+                  (pl.col("modelled_time_per_output_token").mean() if modelled else pl.lit(None, pl.Float64))
+                  .alias("mtpot"),
                   pl.col("matches_autoregressive").mean().alias("lossless"), pl.len().alias("prompts"),
                   pl.col("policy_seconds").mean().alias("policy_seconds"),
                   pl.col("prefill_seconds").mean().alias("prefill_seconds")))
     table: Dict[str, Dict[str, Dict[str, Optional[float]]]] = {"tau": {}, "speedup": {}, "lossless": {}}
+    if modelled:  # steps x profiled step cost: deterministic at T = 0, free of the shared machine's noise
+        table["modelled_speedup"] = {}
     for m in methods:
         for metric in table:
             table[metric][m] = {}
@@ -228,6 +324,8 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
             table["tau"][m][ds] = float(row["tau"][0])
             table["speedup"][m][ds] = float(ar["tpot"][0] / row["tpot"][0]) if ar.height else None
             table["lossless"][m][ds] = float(row["lossless"][0])
+            if modelled:
+                table["modelled_speedup"][m][ds] = float(ar["mtpot"][0] / row["mtpot"][0]) if ar.height else None
         for metric in table:
             vals = [v for v in table[metric][m].values() if v is not None]
             table[metric][m]["average"] = sum(vals) / len(vals) if vals else None
@@ -241,6 +339,64 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
         "policy_ms_mean": float(adaptive["policy_seconds"].mean() * 1e3) if adaptive.height else None,
         "prefill_ms_mean": float(adaptive["prefill_seconds"].mean() * 1e3) if adaptive.height else None,
     }
+
+
+def folded_agreement(results: pa.Table) -> Dict[str, Any]:
+    """On every adaptive row: did the folded policy (final hidden state) choose what the plain one (logits) chose?"""
+    rows = [r for r in results.select(["method", "block_size", "folded_block_size"]).to_pylist()
+            if r["method"] == "adaptive" and r["folded_block_size"] is not None]
+    agree = sum(r["block_size"] == r["folded_block_size"] for r in rows)
+    return {"prompts": len(rows), "agree": agree, "all_equal": agree == len(rows)}
+
+
+def headline_numbers(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str, Any], kind: str,
+                     reps: int = 2000, seed: int = 0, method: str = "adaptive") -> Dict[str, Any]:
+    """The headline for one time measure (``modelled``: steps x profiled step cost; ``wall``: measured seconds):
+    average speedups vs AR over the sets of adaptive, the best fixed b chosen on the label set's train split, the
+    hindsight-fastest fixed b on these prompts and the oracle; gain = adaptive / best_fixed - 1 with a 95 %
+    percentile bootstrap interval over prompts (resampled within each set, every method of a prompt kept
+    together, the statistic recomputed exactly); oracle_gain_captured = (adaptive - best_fixed) / (oracle -
+    best_fixed). ``per_set`` has the same per evaluation set, with the oracle's headroom over the best fixed b."""
+    import numpy as np
+    import polars as pl
+
+    table = summary["tables"]["modelled_speedup" if kind == "modelled" else "speedup"]
+    col = "modelled_time_per_output_token" if kind == "modelled" else "time_per_output_token"
+    fixed = [m for m in summary["methods"] if m.startswith("b=")]
+    hindsight = max(fixed, key=lambda m: table[m]["average"] or 0)
+    chosen = policy_info.get("fallback_block_size") or policy_info.get("best_fixed_block_size")
+    base = f"b={chosen}" if chosen is not None and f"b={chosen}" in fixed else hindsight
+    df = pl.from_arrow(results.select(["source", "prompt_id", "method", col]))
+    rng = np.random.default_rng(seed)
+    sets = summary["datasets"]
+    methods = ["AR", method, base, "oracle"]
+    boot_speed = {m: [] for m in methods}  # [set][reps]
+    per_set = {}
+    for ds in sets:
+        wide = (df.filter(pl.col("source") == ds).pivot(on="method", index="prompt_id", values=col)
+                .sort("prompt_id"))
+        t = {m: wide[m].to_numpy().astype(np.float64) for m in methods}
+        idx = rng.integers(0, len(t["AR"]), size=(reps, len(t["AR"])))
+        ar = t["AR"][idx].mean(axis=1)
+        for m in methods:
+            boot_speed[m].append(ar / t[m][idx].mean(axis=1))
+        g = boot_speed[method][-1] / boot_speed[base][-1] - 1
+        a, b, o = (table[m][ds] for m in (method, base, "oracle"))
+        per_set[ds] = {"adaptive": a, "best_fixed": b, "oracle": o, "gain": a / b - 1,
+                       "gain_ci95": [float(np.percentile(g, 2.5)), float(np.percentile(g, 97.5))],
+                       "oracle_headroom": o / b - 1, "oracle_gain_captured": (a - b) / (o - b) if o > b else None,
+                       "hindsight_fixed_b": int(max(fixed, key=lambda m: table[m][ds] or 0)[2:]),
+                       "prompts": int(len(t["AR"]))}
+    avg = {m: np.mean(boot_speed[m], axis=0) for m in methods}
+    g = avg[method] / avg[base] - 1
+    a, b, o = (table[m]["average"] for m in (method, base, "oracle"))
+    return {"method": method, "adaptive": a, "best_fixed_b": int(base[2:]), "best_fixed": b, "hindsight_fixed_b": int(hindsight[2:]),
+            "hindsight_fixed": table[hindsight]["average"], "oracle": o, "gain": a / b - 1,
+            "gain_ci95": [float(np.percentile(g, 2.5)), float(np.percentile(g, 97.5))],
+            "oracle_gain_captured": (a - b) / (o - b) if o > b else None, "oracle_headroom": o / b - 1,
+            "best_fixed_chosen_on": "the label set's train split" if base == f"b={chosen}" else
+            "hindsight (the policy names no best fixed b)",
+            "per_set": per_set}
 
 
 def gain_with_interval(results: pa.Table, method: str, baseline: str, reps: int = 2000, seed: int = 0
@@ -285,13 +441,42 @@ def render_markdown(s: Dict[str, Any]) -> str:
            f"Adaptive choices: {s['adaptive_choices']}.", ""]
     for metric, title, suffix in (("tau", "Acceptance length tau (tokens per verify step)", ""),
                                   ("speedup", "Speedup vs autoregressive (ratio of mean time per output token)", "x"),
+                                  ("modelled_speedup", "Modelled speedup vs autoregressive (steps x profiled step "
+                                   "cost; deterministic at T = 0)", "x"),
                                   ("lossless", "Share of prompts whose output equals autoregressive output", "")):
         out += [f"## {title}", "", "| method | " + " | ".join(cols) + " |",
                 "| --- |" + " ---: |" * len(cols)]
+        if metric not in s["tables"]:
+            out = out[:-4]
+            continue
         for m in s["methods"]:
             vals = s["tables"][metric].get(m, {})
-            out.append(f"| {m} | " + " | ".join(_fmt(vals.get(c), 2, suffix) for c in cols) + " |")
+            out.append(f"| {m} | " + " | ".join(_fmt(vals.get(c), 3, suffix) for c in cols) + " |")
         out.append("")
+    headline = s.get("headline", {})
+    sections = [(kind, "adaptive", headline[kind]) for kind in ("modelled", "wall") if kind in headline]
+    for key in ("per_step", "per_step_in_policy"):  # the per-step rule tune chose, alone and inside the policy
+        if key in headline:
+            name = f"{headline[key]['method']} ({headline[key]['rule']})"
+            sections += [(kind, name, headline[key][kind]) for kind in ("modelled", "wall") if kind in headline[key]]
+    for kind, name, h in sections:
+        out += [f"## Headline ({kind}): {name} vs the best fixed b chosen on the label set's train split (b="
+                f"{h['best_fixed_b']}), the hindsight-fastest fixed b and the oracle; gain with its 95 % bootstrap "
+                "interval over prompts", "",
+                f"| set | {name} | best fixed | hindsight fixed | oracle | oracle headroom | gain [95 % CI] | "
+                "share of the oracle's gain |", "| --- |" + " ---: |" * 7]
+        for ds, v in [*h["per_set"].items(), ("average", {**h, "hindsight_fixed_b": h["hindsight_fixed_b"]})]:
+            hind = h["hindsight_fixed"] if ds == "average" else s["tables"][
+                "modelled_speedup" if kind == "modelled" else "speedup"][f"b={v['hindsight_fixed_b']}"][ds]
+            cap = "-" if v["oracle_gain_captured"] is None else f"{v['oracle_gain_captured']:.0%}"
+            out.append(f"| {ds} | {v['adaptive']:.3f}x | {v['best_fixed']:.3f}x | b={v['hindsight_fixed_b']} "
+                       f"{hind:.3f}x | {v['oracle']:.3f}x | {v['oracle_headroom']:+.1%} | {v['gain']:+.2%} "
+                       f"[{v['gain_ci95'][0]:+.2%}, {v['gain_ci95'][1]:+.2%}] | {cap} |")
+        out.append("")
+    if s.get("folded_policy"):
+        f = s["folded_policy"]
+        out += [f"Folded policy (reads the final hidden state): same choice as the policy on logits on {f['agree']} "
+                f"of {f['prompts']} prompts.", ""]
     if s.get("comparisons"):
         out += ["## Adaptive against a fixed block size (wall-clock gain, 95 % bootstrap interval over prompts)", "",
                 "| against | chosen on | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
@@ -305,7 +490,9 @@ def render_markdown(s: Dict[str, Any]) -> str:
 def render_csv(s: Dict[str, Any]) -> str:
     cols = [*s["datasets"], "average"]
     lines = ["metric,method," + ",".join(cols)]
-    for metric in ("tau", "speedup"):
+    for metric in ("tau", "speedup", "modelled_speedup"):
+        if metric not in s["tables"]:
+            continue
         for m in s["methods"]:
             vals = s["tables"][metric].get(m, {})
             lines.append(f"{metric},{m}," + ",".join("" if vals.get(c) is None else f"{vals[c]:.4f}" for c in cols))

@@ -13,6 +13,7 @@ actors when the cluster has no GPU.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +27,7 @@ from pipeline.dataset import LABELS_SCHEMA_VERSION, encode_metadata, labels_card
 from pipeline.driver import Rejects, Worker
 from pipeline.log import get as log
 from pipeline.shards import MANIFEST, file_sha256
-from pipeline.storage import location, read_table
+from pipeline.storage import location, parquet_file, read_table
 
 from .common import execute
 from .decoding import DecodingStage
@@ -74,6 +75,7 @@ class LabelStage(DecodingStage):
 
     name = "label"
     schema_version = LABELS_SCHEMA_VERSION
+    extra_outputs = ("cost_profile.json",)
 
     def __init__(self, cfg: PipelineConfig):
         out = location(cfg.output_dir)
@@ -112,19 +114,30 @@ class LabelStage(DecodingStage):
             "schema_version": LABELS_SCHEMA_VERSION,
         }
 
+    @property
+    def label_batch_size(self) -> int:
+        """Prompts per forward: label.batch_size in replay mode; exhaustive mode is batch-1 (the reference)."""
+        return int(self.cfg.label.batch_size) if self.mode == "replay" else 1
+
     def describe(self) -> str:
-        return f"B={self.block_size} candidates={self.candidates} mode={self.mode}"
+        return f"B={self.block_size} candidates={self.candidates} mode={self.mode} batch_size={self.label_batch_size}"
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
-        from pipeline.labeling import measure_step_costs
+        from pipeline.cost import profile_for
 
         super().setup(worker)
-        self.step_cost = measure_step_costs(self.engine, self.candidates, self.models.vocab_size,
-                                            steps=self.cfg.label.cost_probe_steps, seed=self.cfg.decode.seed)
+        # The cost model, once per worker on its own device and dtype (pipeline/cost.py): b in 1..2B, draft and
+        # verify timed apart; it goes into every shard's metadata and, at the end, into cost_profile.json.
+        self.cost_profile = profile_for(self.engine, self.cfg, self.block_size, self.candidates,
+                                        {**self.revisions, "worker": worker.identity})
+        self.step_cost = self.cost_profile.costs(self.candidates)
 
     def worker_info(self) -> Dict[str, Any]:
-        return {**super().worker_info(), "step_cost_seconds": {b: round(c, 6) for b, c in self.step_cost.items()}}
+        p = self.cost_profile
+        return {**super().worker_info(), "step_cost_seconds": {b: round(c, 6) for b, c in self.step_cost.items()},
+                "cost_profile": {"rounds": p.meta["rounds"], "stable": p.meta["stable"],
+                                 "seconds": p.meta["wall_seconds"], "fit": p.fit}}
 
     def shard_metadata(self) -> Dict[str, Any]:
         d = self.cfg.decode
@@ -132,7 +145,9 @@ class LabelStage(DecodingStage):
                 "draft": self.cfg.model.draft, **self.revisions, "trained_block_size": self.block_size,
                 "candidates": self.candidates, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
                 "max_new_tokens": d.max_new_tokens, "seed": d.seed, "step_cost_seconds": self.step_cost,
-                "label_mode": self.mode, "device": self.device, "vocab_size": self.models.vocab_size,
+                "cost_profile": self.cost_profile.to_dict(),
+                "label_mode": self.mode, "label_batch_size": self.label_batch_size, "device": self.device,
+                "vocab_size": self.models.vocab_size,
                 "worker": self.worker.identity}
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
@@ -141,14 +156,26 @@ class LabelStage(DecodingStage):
         label_fn = labeling.replay_label_prompt if self.mode == "replay" else labeling.label_prompt
         kw = self.decode_kwargs()
 
+        batches = None  # replay mode at label.batch_size > 1: the shard's prompts labelled in batches (below)
+
         def measure(rec):
-            out = label_fn(self.engine, self.input_ids(rec), self.candidates, step_cost=self.step_cost, **kw)
+            if batches is not None:
+                out = batches(rec)  # raises this prompt's own error, so each_prompt rejects it alone
+            else:
+                out = label_fn(self.engine, self.input_ids(rec), self.candidates, step_cost=self.step_cost, **kw)
             logits = labeling.logits_to_numpy(out.logits)
             if not np.isfinite(logits).all():
                 raise FloatingPointError("non-finite prefill logits (float16 overflow or NaN)")
             return out, logits
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
+        if self.label_batch_size > 1:
+            from pipeline.batched import ShardBatches, batched_replay_label_prompts
+
+            batches = ShardBatches(
+                table.column("prompt_id").to_pylist(), table.column("input_ids").to_pylist(), self.label_batch_size,
+                lambda ids: batched_replay_label_prompts(self.engine, ids, self.candidates, step_cost=self.step_cost,
+                                                         **kw))
         vocab = self.models.vocab_size
         schema = labels_schema(vocab)
         rows: Dict[str, list] = {name: [] for name in schema.names}
@@ -199,8 +226,35 @@ class LabelStage(DecodingStage):
             "mean_tau": {int(b): round(float(taus[:, i].mean()), 4) for i, b in enumerate(candidates)},
         }
 
+    def manifest_extras(self) -> Dict[str, Any]:
+        return {"cost_profile": "cost_profile.json"}
+
+    def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
+        """cost_profile.json beside the shards: the profile of the worker that labelled the most rows (every
+        shard's own worker profile stays in its metadata, `blockpilot.cost_profile`)."""
+        from pipeline.cost import FILENAME, CostProfile
+        from pipeline.dataset import decode_metadata
+
+        rows: Dict[str, int] = Counter()
+        profiles: Dict[str, Dict[str, Any]] = {}
+        for f in manifest["files"]:
+            meta = decode_metadata(parquet_file(self.folder / f["file"]).schema_arrow.metadata)
+            if "cost_profile" in meta:
+                key = json.dumps(meta["cost_profile"].get("seconds"), sort_keys=True)
+                profiles[key] = meta["cost_profile"]
+                rows[key] += f["rows"]
+        if not profiles:
+            return {}
+        chosen = CostProfile.from_dict(profiles[max(rows, key=rows.get)])
+        chosen.save(self.folder / FILENAME)
+        cands = self.candidates
+        return {"cost_profile": str(self.folder / FILENAME), "cost_profiles_seen": len(profiles),
+                "step_cost_ms": {b: round(chosen.cost(b) * 1e3, 3) for b in cands}}
+
     def card(self, manifest: Dict[str, Any]) -> str:
-        return labels_card()
+        from pipeline.cost import FORMAT_DOC
+
+        return labels_card("\n" + FORMAT_DOC)
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         if not summary.get("rows"):

@@ -162,6 +162,53 @@ def eval_section(eval_dir: Path, out: Path) -> List[str]:
     return md
 
 
+def tune_section(tune_dir: Path, out: Path) -> List[str]:
+    """The per-step rule tune chose (on held-out label prompts): its table, per-step traces of a few prompts, and
+    the distribution of verified lengths per rule variant."""
+    import polars as pl
+
+    choice = json.loads((tune_dir / "step_rule.json").read_text())
+    df = pl.concat([pl.from_arrow(read_table(p)) for p in list_shards(tune_dir)])
+    md = ["## Per-step verify length", "",
+          f"Chosen on {choice['prompts']} {choice['chosen_on']}: `{choice['rule']}` at b_max={choice['max_block_size']}"
+          f", modelled gain {choice['gain']:+.2%} over b={choice['baseline_b']} there.", "",
+          _md_table(["method", "modelled time per token (ms)", "gain vs the fixed b"],
+                    [[t["method"], t["modelled_time_per_token"] * 1e3, f"{t['gain']:+.2%}"] for t in choice["table"]]),
+          ""]
+    chosen = f"{choice['rule']}@{choice['max_block_size']}"
+    base = f"b={choice['baseline_b']}"
+    plt = _plt()
+    ids = df.filter(pl.col("method") == chosen)["prompt_id"].unique().sort().to_list()[:3]
+    fig, axes = plt.subplots(1, max(1, len(ids)), figsize=(4.5 * max(1, len(ids)), 3.4), squeeze=False)
+    for ax, pid in zip(axes[0], ids):
+        for method, style in ((chosen, "-"), (base, ":")):
+            row = df.filter((pl.col("prompt_id") == pid) & (pl.col("method") == method)).row(0, named=True)
+            ax.step(range(1, len(row["committed"]) + 1), row["committed"], style, where="mid",
+                    label=f"{method} committed")
+            if method == chosen:
+                ax.step(range(1, len(row["verified"]) + 1), [v + 1 for v in row["verified"]], "--", where="mid",
+                        label=f"{method} verified + 1")
+        ax.set(title=pid[:24], xlabel="step", ylabel="tokens")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    savefig(fig, out / "per_step_traces.png", dpi=90)
+    plt.close(fig)
+    methods = [t["method"] for t in choice["table"]][:6]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    top = int(df["block_size"].max())
+    for method in methods:
+        v = [x for lst in df.filter(pl.col("method") == method)["verified"].to_list() for x in lst]
+        ax.hist(v, bins=np.arange(0.5, top + 0.5), histtype="step", density=True, label=method)
+    ax.set(xlabel="drafted tokens verified per step", ylabel="share of steps",
+           title="Verified length per rule (held-out label prompts)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    savefig(fig, out / "per_step_verified.png", dpi=90)
+    plt.close(fig)
+    md += ["![per-step traces](per_step_traces.png) ![verified lengths](per_step_verified.png)", ""]
+    return md
+
+
 def headline(output_dir: Path) -> Dict[str, Optional[float]]:
     """The numbers `blockpilot run` ends with: adaptive vs best fixed b vs oracle, tau and speedup (average)."""
     p = output_dir / "eval" / "summary.json"
@@ -183,7 +230,10 @@ def headline(output_dir: Path) -> Dict[str, Optional[float]]:
             "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"],
             # adaptive / fixed - 1 on the average over the sets, with its 95 % bootstrap interval over prompts
             "gains": [{"against": c["against"], "chosen_on": c["chosen_on"], "gain": c["average"]["gain"],
-                       "gain_ci95": c["average"]["ci95"]} for c in s.get("comparisons", [])]}
+                       "gain_ci95": c["average"]["ci95"]} for c in s.get("comparisons", [])],
+            # headline.modelled (steps x profiled step cost) and headline.wall: adaptive, best_fixed_b, best_fixed,
+            # hindsight_fixed_b, hindsight_fixed, oracle, gain, gain_ci95, oracle_gain_captured (+ per_set)
+            **s.get("headline", {}), "folded_policy": s.get("folded_policy")}
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
@@ -201,6 +251,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     if is_complete(root / "train"):
         md += train_section(root / "train", root / "labels", out)
         done.append("train")
+    if is_complete(root / "tune"):
+        md += tune_section(root / "tune", out)
+        done.append("tune")
     if is_complete(root / "eval"):
         md += eval_section(root / "eval", out)
         done.append("eval")

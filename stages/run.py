@@ -12,7 +12,7 @@ from typing import Any, Dict
 from pipeline.config import PipelineConfig
 from pipeline.log import get as log
 
-ORDER = ("prepare", "label", "train", "evaluate", "report")
+ORDER = ("prepare", "label", "train", "tune", "evaluate", "report")
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
@@ -21,6 +21,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
     summaries: Dict[str, Any] = {}
     for name in ORDER:
+        if name == "tune" and not cfg.evaluate.per_step:
+            continue
         log("run").info(f"=== {name} ===")
         t = time.monotonic()
         summaries[name] = STAGES[name].load()(cfg)
@@ -36,6 +38,28 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         if h.get("trained_b"):
             line += f"; trained B ({h['trained_b']}) {h['trained_b_tau']:.2f} / {h['trained_b_speedup']:.2f}x"
         print(line, flush=True)
+        for kind in ("modelled", "wall"):
+            k = h.get(kind)
+            if not k:
+                continue
+            cap = "-" if k["oracle_gain_captured"] is None else f"{k['oracle_gain_captured']:.0%}"
+            print(f"[run] {kind} speedup vs AR (held-out average): adaptive {k['adaptive']:.3f}x; best fixed "
+                  f"b={k['best_fixed_b']} (train split) {k['best_fixed']:.3f}x; hindsight b={k['hindsight_fixed_b']} "
+                  f"{k['hindsight_fixed']:.3f}x; oracle {k['oracle']:.3f}x; gain {k['gain']:+.2%} "
+                  f"[{k['gain_ci95'][0]:+.2%}, {k['gain_ci95'][1]:+.2%}]; oracle gain captured {cap}", flush=True)
+        for key in ("per_step", "per_step_in_policy"):  # the per-step rule tune chose on held-out label prompts
+            ps = h.get(key)
+            if not ps:
+                continue
+            for kind in ("modelled", "wall"):
+                k = ps.get(kind)
+                if k:
+                    print(f"[run] {kind} {ps['method']} ({ps['rule']}, b_max {ps['max_block_size']}): {k['adaptive']:.3f}x"
+                          f" vs best fixed b={k['best_fixed_b']} {k['best_fixed']:.3f}x; gain {k['gain']:+.2%} "
+                          f"[{k['gain_ci95'][0]:+.2%}, {k['gain_ci95'][1]:+.2%}]", flush=True)
+        if h.get("folded_policy"):
+            f = h["folded_policy"]
+            print(f"[run] folded policy: same choice on {f['agree']}/{f['prompts']} evaluation prompts", flush=True)
         for g in h.get("gains", []):
             print(f"[run] adaptive vs {g['against']} (chosen on {g['chosen_on']}): wall-clock gain {g['gain']:+.1%} "
                   f"[{g['gain_ci95'][0]:+.1%}, {g['gain_ci95'][1]:+.1%}] (95 % bootstrap over prompts)", flush=True)

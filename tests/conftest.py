@@ -29,6 +29,8 @@ FAST = [
     "progress=false", "decode.max_new_tokens=32", "prepare.shard_size=8", "prepare.limit=16",
     "workers.cpus_per_worker=0.5", "train.epochs=4", "train.hidden=64", "train.lr=1e-3", "train.batch_size=8",
     "train.val_fraction=0.25", "train.use_gpu=false", "evaluate.limit=4",
+    "train.checkpoint_every=2", "label.k=2",
+    "tune.limit=4", "tune.max_block_sizes=[12]", "tune.rules=[threshold:0.05,ema:0.5:2]",
 ]
 
 
@@ -65,7 +67,8 @@ def real_labels(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("real-labels")
     cfg = load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4",
-                       "prepare.limit=8", "label.cost_probe_steps=2"])
+                       "prepare.limit=8", "label.k=2", "profile.steps=2", "profile.min_repeats=1",
+                       "profile.max_repeats=1", "profile.context_lengths=[16]"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny pair gains nothing from more; on a busy 2-core box more threads spin (10x)
     try:

@@ -1,4 +1,4 @@
-"""prepare -> label -> train -> evaluate -> report with the real tiny pair on real (local) Ray.
+"""prepare -> label -> train -> tune -> evaluate -> report with the real tiny pair on real (local) Ray.
 
 One run is made per module and shared by the read-only tests; tests that damage or rerun work on a copy.
 """
@@ -26,13 +26,13 @@ def cfg_for(out, *extra):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, ray_session):
-    from stages import prepare, label, train, evaluate, report
+    from stages import prepare, label, train, tune, evaluate, report
 
     out = tmp_path_factory.mktemp("run")
     cfg = cfg_for(out)
     summaries = {}
-    for name, mod in (("prepare", prepare), ("label", label), ("train", train), ("evaluate", evaluate),
-                      ("report", report)):
+    for name, mod in (("prepare", prepare), ("label", label), ("train", train), ("tune", tune),
+                      ("evaluate", evaluate), ("report", report)):
         summaries[name] = mod.run(cfg)
     return out, summaries
 
@@ -202,14 +202,16 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     trained = BlockSizeMLP(policy.vocab_size, len(policy.candidates), 64, 2, 0.2)  # FAST: train.hidden=64
     trained.load_state_dict(state["model"])
     trained.eval()
-    with torch.no_grad():
-        expected = [policy.candidates[i] for i in trained(x).argmax(-1).tolist()]
+    with torch.no_grad():  # the speed policy's rule: the argmax, unless its predicted gain is under the margin
+        expected = [policy.candidates[i] for i in policy.decide(trained(x))]
     assert policy.choose_batch(x) == expected and len(expected) == 8
     assert policy.choose(x[0]) in policy.candidates
     with pytest.raises(ValueError, match="vocabulary of"):
         policy.choose(torch.zeros(policy.vocab_size + 1))
     s = summaries["train"]
-    assert s["val_rows"] + s["train_rows"] == 16 and s["val_majority_accuracy"] is not None
+    assert s["val_rows"] + s["train_rows"] + s["calibration_rows"] == 16 and s["val_majority_accuracy"] is not None
+    assert policy.info["fallback_block_size"] == s["fallback_block_size"] == policy.info["best_fixed_block_size"]
+    assert (train / "policy" / "cost_profile.json").is_file() and "margin" in policy.info
 
 
 @pytest.mark.parametrize("damage", ["truncated", "other_schema"])
@@ -236,7 +238,7 @@ def test_evaluate_results_and_summary(run_dir):
     s = summaries["evaluate"]
     res = pl.read_parquet(out / "eval" / "results.parquet")
     methods = s["methods"]
-    assert methods[0] == "AR" and methods[-2:] == ["adaptive", "oracle"]
+    assert methods[0] == "AR" and methods[-4:] == ["adaptive", "per-step", "adaptive+per-step", "oracle"]
     assert {f"b={b}" for b in (2, 4, 6, 7, 8, 9, 10, 16)} <= set(methods)  # {B/4, B/2, B, 2B} + C for B = 8
     assert set(s["datasets"]) == {"humaneval", "stdlib-heldout-eval"}
     assert res.height == 8 * len(methods)  # 4 prompts per dataset x every method
@@ -273,7 +275,47 @@ def test_evaluate_results_and_summary(run_dir):
         assert c["humaneval"]["gain"] == pytest.approx(fx / ad - 1, rel=1e-5)
     assert "## Adaptive against a fixed block size" in md
     csv = (out / "eval" / "summary.csv").read_text().splitlines()
-    assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 2 * len(methods)
+    assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 3 * len(methods)  # tau, speedup, modelled
+
+
+def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(run_dir):
+    import polars as pl
+
+    from pipeline.policy import is_val
+
+    out, summaries = run_dir
+    t = summaries["tune"]
+    tuned = pl.read_parquet(list(list_shards(out / "tune")))
+    label_ids = set(pl.read_parquet(list(list_shards(out / "prompts")))["prompt_id"].to_list())
+    eval_ids = set(pl.read_parquet(list(list_shards(out / "eval" / "prompts")))["prompt_id"].to_list())
+    ids = set(tuned["prompt_id"].to_list())
+    # Chosen on label prompts of the val split only: never the evaluation sets, never the MLP's training rows.
+    assert ids and ids <= label_ids and not ids & eval_ids and all(is_val(i, 0.25) for i in ids)
+    assert sorted(tuned["method"].unique().to_list()) == sorted(["b=%d" % t["baseline_b"], "ema:0.5:2@12",
+                                                                 "threshold:0.05@12"])
+    choice = json.loads((out / "tune" / "step_rule.json").read_text())
+    assert (choice["rule"], choice["max_block_size"]) == (t["step_rule"], t["max_block_size"]) and \
+        choice["rule"] in ("threshold:0.05", "ema:0.5:2")
+    best = min((r for r in choice["table"] if r["rule"]), key=lambda r: r["modelled_time_per_token"])
+    assert best["rule"] == choice["rule"]  # the least modelled time per token wins
+    # The recorded modelled seconds are the cost profile's, step by step.
+    from pipeline.cost import CostProfile
+
+    profile = CostProfile.load(out / "train" / "policy" / "cost_profile.json")
+    row = tuned.filter(pl.col("method") == "threshold:0.05@12").row(0, named=True)
+    assert row["modelled_seconds"] == pytest.approx(sum(profile.step_seconds(12, v) for v in row["verified"]))
+    assert all(v <= 11 for v in row["verified"]) and len(row["verified"]) == row["steps"]
+    # evaluate ran the chosen rule alone and inside the policy's b, exactly (same output as plain greedy).
+    ev = summaries["evaluate"]
+    res = pl.read_parquet(out / "eval" / "results.parquet")
+    per_step = res.filter(pl.col("method") == "per-step")
+    assert per_step.height == 8 and per_step["matches_autoregressive"].all()
+    assert (per_step["step_rule"] == choice["rule"]).all() and (per_step["block_size"] == 12).all()
+    h = ev["headline"]
+    for key in ("per_step", "per_step_in_policy"):
+        assert h[key]["rule"] == choice["rule"] and set(h[key]["modelled"]) == set(h["modelled"])
+        lo, hi = h[key]["modelled"]["gain_ci95"]
+        assert lo <= h[key]["modelled"]["gain"] <= hi
 
 
 def test_evaluate_prompts_come_from_prepare_and_their_settings_bind_the_results(run_dir, tmp_path):
@@ -298,10 +340,11 @@ def test_report_has_tables_and_valid_pngs(run_dir):
     out, summaries = run_dir
     report = out / "report"
     text = (report / "report.md").read_text()
-    for heading in ("## Label set", "## Policy", "## Evaluation"):
+    for heading in ("## Label set", "## Policy", "## Per-step verify length", "## Evaluation"):
         assert heading in text
     pngs = sorted(p.name for p in report.glob("*.png"))
-    assert pngs == ["confusion.png", "optimal_b_hist.png", "speedup.png", "tau_vs_b.png"]
+    assert pngs == ["confusion.png", "optimal_b_hist.png", "per_step_traces.png", "per_step_verified.png",
+                    "speedup.png", "tau_vs_b.png"]
     for p in report.glob("*.png"):
         img = mpimg.imread(p)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100

@@ -141,3 +141,23 @@ def test_a_rule_needs_a_block_to_cut():
     engine = Engine(target, draft)
     with pytest.raises(ValueError, match="block_size >= 2"):
         engine.decode(engine.prefill(prompt(0)), block_size=1, max_new_tokens=4, step_rule=Full())
+
+
+def test_tune_chooses_the_least_modelled_time_per_token():
+    import pyarrow as pa
+
+    from stages.tune import SCHEMA, choose_rule
+
+    def row(pid, method, b, rule, seconds, tokens):
+        return {"prompt_id": pid, "source": "s", "method": method, "block_size": b, "step_rule": rule, "steps": 1,
+                "new_tokens": tokens, "verified": [1], "committed": [1], "modelled_seconds": seconds, "worker": "w"}
+
+    rows = [row("a", "b=8", 8, None, 1.0, 10), row("b", "b=8", 8, None, 3.0, 10),
+            row("a", "threshold:0.1@12", 12, "threshold:0.1", 0.5, 10), row("b", "threshold:0.1@12", 12,
+                                                                              "threshold:0.1", 3.3, 10),
+            row("a", "ema:0.5:2@12", 12, "ema:0.5:2", 0.9, 10), row("b", "ema:0.5:2@12", 12, "ema:0.5:2", 2.9, 10)]
+    rows[-1]["modelled_seconds"] = 3.0  # per 20 tokens: threshold 3.8 s, ema 3.9 s, b=8 4.0 s (ratio of sums)
+    choice = choose_rule(pa.Table.from_pylist(rows, schema=SCHEMA), 8)
+    assert (choice["rule"], choice["max_block_size"]) == ("threshold:0.1", 12)
+    assert choice["gain"] == pytest.approx(4.0 / 3.8 - 1)
+    assert [t["method"] for t in choice["table"]] == ["threshold:0.1@12", "ema:0.5:2@12", "b=8"]

@@ -1,0 +1,14 @@
+"""`ray job submit --working-dir . -- python jobs/tune.py [-c FILE.yaml | -c published:NAME] [key=value ...]`
+
+A thin entrypoint: the job's driver runs `blockpilot tune`, which joins the job's Ray cluster (RAY_ADDRESS).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the working dir, when not pip-installed
+
+from pipeline.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["tune", *sys.argv[1:]]))

@@ -63,5 +63,14 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         for g in h.get("gains", []):
             print(f"[run] adaptive vs {g['against']} (chosen on {g['chosen_on']}): wall-clock gain {g['gain']:+.1%} "
                   f"[{g['gain_ci95'][0]:+.1%}, {g['gain_ci95'][1]:+.1%}] (95 % bootstrap over prompts)", flush=True)
-    return {"stage": "run", "report": report["report"], "headline": h, "wall_seconds": wall,
+    # The full headline (per set, intervals, the oracle) is in report/summary.json and eval/summary.json; the lines
+    # above print it. What the command ends with stays short.
+    short = {k: h.get(k) for k in ("adaptive_speedup", "best_fixed", "best_fixed_speedup", "oracle_speedup")}
+    for key in ("modelled", "wall"):
+        if h.get(key):
+            short[f"{key}_gain"] = {"gain": h[key]["gain"], "gain_ci95": h[key]["gain_ci95"]}
+    if h.get("per_step", {}).get("modelled"):
+        m = h["per_step"]["modelled"]
+        short["per_step_modelled_gain"] = {"rule": h["per_step"]["rule"], "gain": m["gain"], "gain_ci95": m["gain_ci95"]}
+    return {"stage": "run", "report": report["report"], "headline": short, "wall_seconds": wall,
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}

@@ -95,7 +95,7 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
     got = _run([bp, "run", "--print-config"], cwd=tmp_path)
     assert got == checkout
     # default.yaml's values, not the schema defaults (prepare.limit None, evaluate.limit None, shard_size 256).
-    assert "  limit: 256\n" in got and "  limit: 32\n" in got and "  shard_size: 64\n" in got
+    assert "  limit: 1024\n" in got and "  limit: 32\n" in got and "  shard_size: 64\n" in got
 
     published_checkout = _run([sys.executable, "-m", "pipeline.cli", "prepare", "-c", "published:qwen3-8b",
                                "--print-config"], cwd=REPO)

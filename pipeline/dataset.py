@@ -79,9 +79,11 @@ LABEL_COLUMNS: List[tuple] = [
 RESULT_COLUMNS = [
     ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
     ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
-    ("method", pa.string(), "AR, b=N, adaptive, per-step, adaptive+per-step or oracle."),
-    ("kind", pa.string(), "autoregressive, fixed, adaptive, per-step, adaptive+per-step or oracle."),
-    ("block_size", pa.int16(), "The block size decoded with (the policy's or the oracle's choice; 1 for AR)."),
+    ("method", pa.string(), "AR, b=N, adaptive (the policy, its fallback b replaced by the tuned per-step rule when "
+     "tune measured it faster), policy (the policy alone), per-step (the tuned rule alone) or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive, policy, per-step or oracle."),
+    ("block_size", pa.int16(), "The block size decoded with (1 for AR; the oracle's choice; adaptive / policy: the "
+     "policy's b, or the drafted b_max when a per-step rule decoded the row)."),
     ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
     ("steps", pa.int32(), "Verify steps."),
     ("new_tokens", pa.int32(), "Tokens generated."),
@@ -92,12 +94,15 @@ RESULT_COLUMNS = [
     ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
      "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
-    ("step_rule", pa.string(), "per-step and adaptive+per-step rows: the per-step verify rule tune chose "
-     "(pipeline.step_rules); `block_size` is then the drafted block b_max. Null elsewhere."),
+    ("step_rule", pa.string(), "The per-step verify rule tune chose (pipeline.step_rules), on per-step rows and on "
+     "adaptive rows it decoded; `block_size` is then the drafted block b_max. Null elsewhere."),
     ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (steps x cost(b); per-step rows: the "
      "draft's pass at b_max plus the verify over the tokens sent, per step). Null without a profile."),
     ("folded_block_size", pa.int16(), "adaptive rows: the choice of the same policy folded through lm_head (reading "
-     "the final hidden state, BlockSizePolicy.fold); evaluate counts where it equals `block_size`. Null elsewhere."),
+     "the final hidden state, BlockSizePolicy.fold); evaluate counts where it equals `policy_block_size`. Null "
+     "elsewhere."),
+    ("policy_block_size", pa.int16(), "adaptive and policy rows: the policy's answer from the prefill (its fallback b "
+     "when it did not deviate). Null elsewhere."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 

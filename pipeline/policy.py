@@ -138,25 +138,27 @@ class BlockSizePolicy:
         scale = float(self.info.get("score_scale", 1.0))
         return (scores.max(dim=-1).values - scores[:, f]) * scale
 
-    def decide(self, scores: torch.Tensor) -> List[int]:
+    def decide(self, scores: torch.Tensor, min_gain: float = 0.0) -> List[int]:
         """Candidate indices from scores [N, |C|]: the argmax, or for a speed policy the fallback unless the
-        predicted gain exceeds the margin."""
+        predicted gain exceeds the margin and ``min_gain`` (a log speed ratio over the fallback b: what the
+        fallback deployment is expected to gain over plain decoding at the fallback b, e.g. a per-step rule's,
+        see :class:`pipeline.adaptive.AdaptiveDecoder`)."""
         best = scores.argmax(dim=-1)
         if self.fallback_block_size is None:
             return best.tolist()
         f = self.candidates.index(self.fallback_block_size)
         if self.margin is None:
             return [f] * scores.shape[0]
-        take = self.predicted_gain(scores) > self.margin
+        take = self.predicted_gain(scores) > max(self.margin, min_gain)
         return torch.where(take, best, torch.full_like(best, f)).tolist()
 
-    def choose(self, logits: Union[torch.Tensor, np.ndarray]) -> int:
+    def choose(self, logits: Union[torch.Tensor, np.ndarray], min_gain: float = 0.0) -> int:
         """The block size for one prompt, from its raw last-position prefill logits [V] (a folded policy: the final
         hidden state [H])."""
-        return self.candidates[self.decide(self.scores(logits))[0]]
+        return self.candidates[self.decide(self.scores(logits), min_gain)[0]]
 
-    def choose_batch(self, logits) -> List[int]:
-        return [self.candidates[i] for i in self.decide(self.scores(logits))]
+    def choose_batch(self, logits, min_gain: float = 0.0) -> List[int]:
+        return [self.candidates[i] for i in self.decide(self.scores(logits), min_gain)]
 
     def save_pretrained(self, folder: Union[str, Path]) -> None:
         from safetensors.torch import save

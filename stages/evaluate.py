@@ -9,7 +9,11 @@ Methods per prompt, all from one shared prefill:
 * ``AR``: b = 1, plain autoregressive decoding (the speedup reference);
 * ``b=N``: each fixed block size (default: the paper's DFlash(4/8/16/32) scaled to B, i.e. {B/4, B/2, B, 2B},
   plus every candidate in C);
-* ``adaptive``: the policy's choice from the prefill logits (its latency is measured and recorded);
+* ``adaptive``: the product's adaptive decoder (pipeline.adaptive): the policy's choice from the prefill logits
+  (its latency is measured and recorded), whose fallback b is replaced by the per-step rule ``blockpilot tune`` chose
+  on held-out label prompts when tune measured it faster there;
+* with a tuned rule, its two parts apart: ``policy`` (the policy alone, every step verifying the whole block) and
+  ``per-step`` (the rule alone at its b_max);
 * ``oracle``: the candidate with the best measured tau for this prompt (ties to the smaller b), read from the
   fixed-b decodes.
 
@@ -54,12 +58,11 @@ def prompt_sets(cfg: PipelineConfig) -> PrepareStage:
                         section="evaluate")
 
 
-PER_STEP, POLICY_PER_STEP = "per-step", "adaptive+per-step"
+PER_STEP, POLICY_ONLY = "per-step", "policy"
 
 
 def methods_for(fixed: List[int], per_step: bool = False) -> List[str]:
-    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([PER_STEP, POLICY_PER_STEP] if per_step else []),
-            "oracle"]
+    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([POLICY_ONLY, PER_STEP] if per_step else []), "oracle"]
 
 
 class EvaluateStage(DecodingStage):
@@ -106,6 +109,12 @@ class EvaluateStage(DecodingStage):
             return None
         return json.loads((self.tune_dir / RULE_FILE).read_text())
 
+    @cached_property
+    def rule_fallback(self):
+        from pipeline.adaptive import RuleFallback
+
+        return RuleFallback.from_tune(self.step_rule) if self.step_rule is not None else None
+
     @property
     def methods(self) -> List[str]:
         return methods_for(self.fixed, self.step_rule is not None)
@@ -120,6 +129,7 @@ class EvaluateStage(DecodingStage):
                 "policy_sha256": {f: file_sha256(self.policy_dir / f) for f in POLICY_FILES},
                 "cost_profile_sha256": file_sha256(profile) if profile.exists() else None,
                 "step_rule": self.step_rule and {k: self.step_rule[k] for k in ("rule", "max_block_size")},
+                "rule_fallback": vars(self.rule_fallback) if self.rule_fallback else None,
                 "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
 
     def describe(self) -> str:
@@ -135,11 +145,14 @@ class EvaluateStage(DecodingStage):
         if policy.vocab_size != self.models.vocab_size:
             raise ValueError(f"policy {self.policy_dir} was trained on V={policy.vocab_size}, "
                              f"the target has V={self.models.vocab_size}")
-        self.adaptive = AdaptiveDecoder(self.engine, policy)
+        # The product's decoder (the tuned rule replacing the fallback b, when tune measured it faster on held-out
+        # label prompts) and, with a rule, the policy alone (the "policy" method).
+        self.adaptive = AdaptiveDecoder(self.engine, policy, self.rule_fallback)
+        self.policy_only = AdaptiveDecoder(self.engine, policy)
         # The serving form: the same policy folded through lm_head, reading the final hidden state; its choice is
         # recorded beside the plain one on every adaptive row (finalize counts the agreements).
         try:
-            self.folded = AdaptiveDecoder(self.engine, policy.fold(self.models.target.lm_head))
+            self.folded = AdaptiveDecoder(self.engine, policy.fold(self.models.target.lm_head), self.rule_fallback)
         except ValueError:  # a policy on transformed logits does not fold
             self.folded = None
         self.cost_profile = self._cost_profile()
@@ -172,7 +185,8 @@ class EvaluateStage(DecodingStage):
     def _row(self, rec, method, kind, b, res, prefill_s, policy_s, ar_ids) -> Dict[str, Any]:
         import torch
 
-        return {"modelled_seconds": self._modelled(b, res), "step_rule": None,"prompt_id": rec["prompt_id"], "source": rec["source"], "method": method, "kind": kind,
+        return {"modelled_seconds": self._modelled(b, res), "step_rule": None, "policy_block_size": None,
+                "prompt_id": rec["prompt_id"], "source": rec["source"], "method": method, "kind": kind,
                 "block_size": b, "tau": res.tau, "steps": res.steps, "new_tokens": res.new_tokens,
                 "decode_seconds": res.decode_seconds,
                 "time_per_output_token": res.decode_seconds / max(1, res.new_tokens),
@@ -196,17 +210,13 @@ class EvaluateStage(DecodingStage):
             state = self.engine.prefill(ids)
             ar = self.engine.decode(state, block_size=1, **kw)
             fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
-            ad = self.adaptive.generate(ids, state=state, **kw)
+            ad = {"adaptive": self.adaptive.generate(ids, state=state, **kw)}
             steps = {}
-            if self.step_rule is not None:  # the tuned rule alone at its b_max, and inside the policy's b
-                rule = parse_rule(self.step_rule["rule"])
+            if self.step_rule is not None:  # the two parts apart: the policy alone, the tuned rule alone
+                ad[POLICY_ONLY] = self.policy_only.generate(ids, state=state, **kw)
                 bm = int(self.step_rule["max_block_size"])
-                steps[PER_STEP] = (bm, self.engine.decode(state, block_size=bm, step_rule=rule, **kw))
-                if ad.block_size >= 2:
-                    steps[POLICY_PER_STEP] = (ad.block_size, self.engine.decode(
-                        state, block_size=ad.block_size, step_rule=rule, **kw))
-                else:
-                    steps[POLICY_PER_STEP] = (1, ad.decode)
+                steps[PER_STEP] = (bm, self.engine.decode(state, block_size=bm,
+                                                          step_rule=parse_rule(self.step_rule["rule"]), **kw))
             return state, ar, fixed, ad, steps, self.reference(ids, ar)
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids"])
@@ -215,14 +225,15 @@ class EvaluateStage(DecodingStage):
             p = state.prefill_seconds
             rows.append(self._row(rec, "AR", "autoregressive", 1, ar, p, None, ref))
             rows += [self._row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
-            row = self._row(rec, "adaptive", "adaptive", ad.block_size, ad.decode, p, ad.policy_seconds, ref)
-            row["folded_block_size"] = self.folded.choose(state)[0] if self.folded is not None else None
-            rows.append(row)
+            for method, a in ad.items():
+                row = self._row(rec, method, method, a.block_size, a.decode, p, a.policy_seconds, ref)
+                row.update(step_rule=a.step_rule, policy_block_size=a.policy_block_size)
+                if method == "adaptive":  # the serving form's choice, beside the plain one
+                    row["folded_block_size"] = self.folded.choose(state)[0] if self.folded is not None else None
+                rows.append(row)
             for method, (b, res) in steps.items():
-                r = self._row(rec, method, method, b, res, p, ad.policy_seconds if method == POLICY_PER_STEP else None,
-                              ref)
+                r = self._row(rec, method, method, b, res, p, None, ref)
                 r["step_rule"] = self.step_rule["rule"]
-                r["modelled_seconds"] = self._modelled(b, res)
                 rows.append(r)
             best = self.oracle_choice(fixed)
             rows.append(self._row(rec, "oracle", "oracle", best, fixed[best], p, None, ref))
@@ -246,14 +257,19 @@ class EvaluateStage(DecodingStage):
         summary["folded_policy"] = folded_agreement(results)
         kinds = ("modelled", "wall") if profile is not None else ("wall",)
         summary["headline"] = {kind: headline_numbers(results, summary, self.policy_info, kind) for kind in kinds}
+        rf = self.rule_fallback
+        summary["headline"]["adaptive_is"] = (
+            f"the policy, its fallback b replaced by the per-step rule {rf.rule} at b_max={rf.max_block_size} (tune: "
+            f"{rf.gain:+.2%} over the fallback b on held-out label prompts)" if rf else "the policy alone")
         if self.step_rule is not None:
-            # The rule alone, as tune chose it on held-out label prompts (not picked among variants here), and the
-            # same rule inside the policy's choice; each against the same train-chosen fixed b.
-            for key, method in (("per_step", PER_STEP), ("per_step_in_policy", POLICY_PER_STEP)):
+            # adaptive's two parts apart, each against the same train-chosen fixed b: the policy alone (every step
+            # verifying its whole block) and the rule alone, as tune chose it on held-out label prompts.
+            for key, method in (("policy_only", POLICY_ONLY), ("per_step", PER_STEP)):
                 summary["headline"][key] = {
-                    "rule": self.step_rule["rule"], "method": method,
+                    "method": method, "rule": self.step_rule["rule"] if method == PER_STEP else None,
                     "max_block_size": self.step_rule["max_block_size"] if method == PER_STEP else "the policy's b",
-                    "chosen_on": self.step_rule.get("chosen_on"), "tune_gain": self.step_rule.get("gain"),
+                    "chosen_on": self.step_rule.get("chosen_on") if method == PER_STEP else "the label set",
+                    "tune_gain": self.step_rule.get("gain") if method == PER_STEP else None,
                     **{kind: headline_numbers(results, summary, self.policy_info, kind, method=method)
                        for kind in kinds}}
         write_text_atomic(render_markdown(summary), self.folder / "summary.md")
@@ -330,12 +346,13 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
             vals = [v for v in table[metric][m].values() if v is not None]
             table[metric][m]["average"] = sum(vals) / len(vals) if vals else None
     adaptive = df.filter(pl.col("method") == "adaptive")
-    chosen = adaptive.group_by("block_size").len().sort("block_size")
+    chosen = adaptive.group_by("policy_block_size").len().sort("policy_block_size")
     return {
         "datasets": datasets, "methods": methods, "tables": table,
         "prompts": {ds: int(df.filter((pl.col("source") == ds) & (pl.col("method") == "AR")).height)
                     for ds in datasets},
-        "adaptive_choices": {int(b): int(n) for b, n in zip(chosen["block_size"], chosen["len"])},
+        "adaptive_choices": {int(b): int(n) for b, n in zip(chosen["policy_block_size"], chosen["len"])},
+        "adaptive_rule_rows": int(adaptive["step_rule"].is_not_null().sum()),
         "policy_ms_mean": float(adaptive["policy_seconds"].mean() * 1e3) if adaptive.height else None,
         "prefill_ms_mean": float(adaptive["prefill_seconds"].mean() * 1e3) if adaptive.height else None,
     }
@@ -343,9 +360,9 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
 
 def folded_agreement(results: pa.Table) -> Dict[str, Any]:
     """On every adaptive row: did the folded policy (final hidden state) choose what the plain one (logits) chose?"""
-    rows = [r for r in results.select(["method", "block_size", "folded_block_size"]).to_pylist()
+    rows = [r for r in results.select(["method", "policy_block_size", "folded_block_size"]).to_pylist()
             if r["method"] == "adaptive" and r["folded_block_size"] is not None]
-    agree = sum(r["block_size"] == r["folded_block_size"] for r in rows)
+    agree = sum(r["policy_block_size"] == r["folded_block_size"] for r in rows)
     return {"prompts": len(rows), "agree": agree, "all_equal": agree == len(rows)}
 
 
@@ -438,7 +455,9 @@ def render_markdown(s: Dict[str, Any]) -> str:
     out = ["# Evaluation", "",
            f"Prompts per dataset: {s['prompts']}. Candidates {s['candidates']}; policy latency "
            f"{_fmt(s['policy_ms_mean'], 3)} ms vs prefill {_fmt(s['prefill_ms_mean'], 3)} ms (mean). "
-           f"Adaptive choices: {s['adaptive_choices']}.", ""]
+           f"The policy's choices (b: prompts): {s['adaptive_choices']}; adaptive decoded "
+           f"{s.get('adaptive_rule_rows', 0)} of them with the tuned per-step rule (the policy answered its fallback "
+           "b).", ""]
     for metric, title, suffix in (("tau", "Acceptance length tau (tokens per verify step)", ""),
                                   ("speedup", "Speedup vs autoregressive (ratio of mean time per output token)", "x"),
                                   ("modelled_speedup", "Modelled speedup vs autoregressive (steps x profiled step "
@@ -455,9 +474,9 @@ def render_markdown(s: Dict[str, Any]) -> str:
         out.append("")
     headline = s.get("headline", {})
     sections = [(kind, "adaptive", headline[kind]) for kind in ("modelled", "wall") if kind in headline]
-    for key in ("per_step", "per_step_in_policy"):  # the per-step rule tune chose, alone and inside the policy
+    for key in ("policy_only", "per_step"):  # adaptive's two parts apart: the policy alone, the tuned rule alone
         if key in headline:
-            name = f"{headline[key]['method']} ({headline[key]['rule']})"
+            name = headline[key]["method"] + (f" ({headline[key]['rule']})" if headline[key]["rule"] else "")
             sections += [(kind, name, headline[key][kind]) for kind in ("modelled", "wall") if kind in headline[key]]
     for kind, name, h in sections:
         out += [f"## Headline ({kind}): {name} vs the best fixed b chosen on the label set's train split (b="

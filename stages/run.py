@@ -38,6 +38,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         if h.get("trained_b"):
             line += f"; trained B ({h['trained_b']}) {h['trained_b_tau']:.2f} / {h['trained_b_speedup']:.2f}x"
         print(line, flush=True)
+        if h.get("adaptive_is"):
+            print(f"[run] adaptive = {h['adaptive_is']}", flush=True)
         for kind in ("modelled", "wall"):
             k = h.get(kind)
             if not k:
@@ -47,16 +49,17 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
                   f"b={k['best_fixed_b']} (train split) {k['best_fixed']:.3f}x; hindsight b={k['hindsight_fixed_b']} "
                   f"{k['hindsight_fixed']:.3f}x; oracle {k['oracle']:.3f}x; gain {k['gain']:+.2%} "
                   f"[{k['gain_ci95'][0]:+.2%}, {k['gain_ci95'][1]:+.2%}]; oracle gain captured {cap}", flush=True)
-        for key in ("per_step", "per_step_in_policy"):  # the per-step rule tune chose on held-out label prompts
+        for key in ("policy_only", "per_step"):  # adaptive's two parts apart: the policy alone, the tuned rule alone
             ps = h.get(key)
             if not ps:
                 continue
+            what = f"{ps['method']} ({ps['rule']}, b_max {ps['max_block_size']})" if ps["rule"] else ps["method"]
             for kind in ("modelled", "wall"):
                 k = ps.get(kind)
                 if k:
-                    print(f"[run] {kind} {ps['method']} ({ps['rule']}, b_max {ps['max_block_size']}): {k['adaptive']:.3f}x"
-                          f" vs best fixed b={k['best_fixed_b']} {k['best_fixed']:.3f}x; gain {k['gain']:+.2%} "
-                          f"[{k['gain_ci95'][0]:+.2%}, {k['gain_ci95'][1]:+.2%}]", flush=True)
+                    print(f"[run] {kind} {what} alone: {k['adaptive']:.3f}x vs best fixed b={k['best_fixed_b']} "
+                          f"{k['best_fixed']:.3f}x; gain {k['gain']:+.2%} [{k['gain_ci95'][0]:+.2%}, "
+                          f"{k['gain_ci95'][1]:+.2%}]", flush=True)
         if h.get("folded_policy"):
             f = h["folded_policy"]
             print(f"[run] folded policy: same choice on {f['agree']}/{f['prompts']} evaluation prompts", flush=True)
@@ -69,8 +72,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     for key in ("modelled", "wall"):
         if h.get(key):
             short[f"{key}_gain"] = {"gain": h[key]["gain"], "gain_ci95": h[key]["gain_ci95"]}
-    if h.get("per_step", {}).get("modelled"):
-        m = h["per_step"]["modelled"]
-        short["per_step_modelled_gain"] = {"rule": h["per_step"]["rule"], "gain": m["gain"], "gain_ci95": m["gain_ci95"]}
+    for key in ("policy_only", "per_step"):
+        if h.get(key, {}).get("modelled"):
+            m = h[key]["modelled"]
+            short[f"{key}_modelled_gain"] = {"gain": m["gain"], "gain_ci95": m["gain_ci95"]}
     return {"stage": "run", "report": report["report"], "headline": short, "wall_seconds": wall,
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}

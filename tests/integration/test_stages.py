@@ -180,7 +180,9 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     train = out / "train"
     history = [json.loads(x) for x in (train / "metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0, 1, 2, 3]
-    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    # Finite losses, every epoch once. Whether 4 epochs on ~12 random-model rows lower the loss is seed luck (raw
+    # logits, dropout); that training learns is tested in tests/unit/test_train_step.py.
+    assert all(np.isfinite(h["train_loss"]) for h in history)
     for key in ("val_accuracy", "val_top2_accuracy", "val_tau_policy", "val_tau_best_fixed", "val_tau_oracle",
                 "val_regret"):
         assert key in history[-1]
@@ -238,7 +240,7 @@ def test_evaluate_results_and_summary(run_dir):
     s = summaries["evaluate"]
     res = pl.read_parquet(out / "eval" / "results.parquet")
     methods = s["methods"]
-    assert methods[0] == "AR" and methods[-4:] == ["adaptive", "per-step", "adaptive+per-step", "oracle"]
+    assert methods[0] == "AR" and methods[-4:] == ["adaptive", "policy", "per-step", "oracle"]
     assert {f"b={b}" for b in (2, 4, 6, 7, 8, 9, 10, 16)} <= set(methods)  # {B/4, B/2, B, 2B} + C for B = 8
     assert set(s["datasets"]) == {"humaneval", "stdlib-heldout-eval"}
     assert res.height == 8 * len(methods)  # 4 prompts per dataset x every method
@@ -246,7 +248,20 @@ def test_evaluate_results_and_summary(run_dir):
     # loop, not the engine's b = 1).
     assert res["matches_autoregressive"].all()
     adaptive = res.filter(pl.col("method") == "adaptive")
-    assert adaptive["block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
+    assert adaptive["policy_block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
+    # Adaptive decodes the policy's b, or the tuned rule's b_max where the policy answered its fallback b (the rule
+    # replaces it only when tune measured it faster on held-out label prompts).
+    rule = json.loads((out / "tune" / "step_rule.json").read_text())
+    fallback = json.loads((out / "train" / "policy" / "policy.json").read_text())["fallback_block_size"]
+    for r in adaptive.iter_rows(named=True):
+        if rule["gain"] > 0 and r["policy_block_size"] == fallback:
+            assert (r["step_rule"], r["block_size"]) == (rule["rule"], rule["max_block_size"]), r
+        else:
+            assert (r["step_rule"], r["block_size"]) == (None, r["policy_block_size"]), r
+    policy_rows = res.filter(pl.col("method") == "policy")
+    assert policy_rows["step_rule"].is_null().all() and (policy_rows["block_size"] == policy_rows[
+        "policy_block_size"]).all()
+    assert s["adaptive_rule_rows"] == adaptive["step_rule"].is_not_null().sum()
     for metric in ("tau", "speedup"):
         for m in methods:
             for ds in [*s["datasets"], "average"]:
@@ -305,15 +320,18 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     row = tuned.filter(pl.col("method") == "threshold:0.05@12").row(0, named=True)
     assert row["modelled_seconds"] == pytest.approx(sum(profile.step_seconds(12, v) for v in row["verified"]))
     assert all(v <= 11 for v in row["verified"]) and len(row["verified"]) == row["steps"]
-    # evaluate ran the chosen rule alone and inside the policy's b, exactly (same output as plain greedy).
+    # evaluate ran the chosen rule alone (and inside adaptive, in test_evaluate_results_and_summary), exactly (same
+    # output as plain greedy).
     ev = summaries["evaluate"]
     res = pl.read_parquet(out / "eval" / "results.parquet")
     per_step = res.filter(pl.col("method") == "per-step")
     assert per_step.height == 8 and per_step["matches_autoregressive"].all()
     assert (per_step["step_rule"] == choice["rule"]).all() and (per_step["block_size"] == 12).all()
     h = ev["headline"]
-    for key in ("per_step", "per_step_in_policy"):
-        assert h[key]["rule"] == choice["rule"] and set(h[key]["modelled"]) == set(h["modelled"])
+    assert h["per_step"]["rule"] == choice["rule"] and h["policy_only"]["rule"] is None
+    assert ("per-step rule" in h["adaptive_is"]) == (choice["gain"] > 0)
+    for key in ("policy_only", "per_step"):
+        assert set(h[key]["modelled"]) == set(h["modelled"])
         lo, hi = h[key]["modelled"]["gain_ci95"]
         assert lo <= h[key]["modelled"]["gain"] <= hi
 

@@ -26,10 +26,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
-QWEN3_VOCAB = 151936
+from random_pair import save_wide_pair  # noqa: E402  (the V = 151,936 pair, shared with its test)
 
 CHILD = """
 import json, sys, time, torch
@@ -43,31 +44,6 @@ t0 = time.perf_counter()
 run_stage(LabelStage(cfg), LocalExecutor())
 print(json.dumps({{"wall": time.perf_counter() - t0}}))
 """
-
-
-def save_pair(folder: Path, hidden: int, seed: int = 0):
-    import torch
-    from dflash.model import DFlashDraftModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    heads = max(2, hidden // 64)
-    common = dict(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
-                  num_key_value_heads=max(1, heads // 4), head_dim=hidden // heads, max_position_embeddings=4096,
-                  rms_norm_eps=1e-6)
-    target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True,
-                                          eos_token_id=QWEN3_VOCAB - 2, **common)).eval()
-    draft_cfg = Qwen3Config(num_hidden_layers=1, num_target_layers=2, **common)
-    draft_cfg.dflash_config = {"block_size": 4, "mask_token_id": QWEN3_VOCAB - 1, "target_layer_ids": [0, 1]}
-    draft = DFlashDraftModel(draft_cfg).eval()
-    with torch.no_grad():
-        w = target.lm_head.weight
-        u = torch.randn(w.shape[1])
-        w[3] += 0.3 * u / u.norm()
-        w[4] -= 0.3 * u / u.norm()
-    target.save_pretrained(folder / "target")
-    draft.save_pretrained(folder / "draft")
-    return folder / "target", folder / "draft"
 
 
 def main(argv=None) -> int:
@@ -90,7 +66,7 @@ def main(argv=None) -> int:
 
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bp-wide-"))
     try:
-        target, draft = save_pair(work, args.hidden)
+        target, draft = save_wide_pair(work, args.hidden)
         base = ["progress=false", f"model.target={target}", f"model.draft={draft}",
                 "model.tokenizer=bundled:tiny-target", "model.dtype=float32", "model.device=cpu",
                 f"decode.max_new_tokens={args.max_new_tokens}", f"prepare.limit={args.prompts}",

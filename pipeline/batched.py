@@ -47,10 +47,10 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 import torch
-from dflash.model import DFlash2DraftModel, _draft_value, _output_head, _raw_input_embeddings, extract_context_feature
+from dflash.model import _raw_input_embeddings, extract_context_feature
 
 from .labeling import PromptLabels, _labels
-from .replay import _block_layout, _draft_forward, _Keys, replay_unsupported, step
+from .replay import _block_layout, _draft_forward, _DraftReader, _Keys, replay_unsupported, step
 
 # Bound on the teacher-forced forward's hidden-state outputs (all layers x rows x width x hidden elements): the
 # batch is split into row chunks below it, so that a large batch at a long max_new_tokens does not hold every layer's
@@ -160,8 +160,11 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     stops = [int(t) for t in (stop_token_ids or [])]
     # eos_token_id=[] (not None) when there are no stop tokens: generate fills every None from the model's own
     # generation config, which would stop at the model's eos, and could add its sampling or penalty settings.
+    # A static KV cache (allocated once at prompt + max_new_tokens): the default dynamic cache concatenates every
+    # layer's keys and values each step, a copy of the whole cache per token (~11 % of generate here, measured by
+    # benchmarks/label_throughput.py). Attention then spans the masked unfilled slots too; same greedy tokens.
     config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                              pad_token_id=pad_token_id)
+                              pad_token_id=pad_token_id, cache_implementation="static")
     saved = target.generation_config
     # The same fill-in, for every other field (repetition_penalty, min_new_tokens, ...): generate reads only ours.
     target.generation_config = GenerationConfig()
@@ -257,34 +260,16 @@ def target_features(target, layer_ids: Sequence[int], prompts: Sequence[Sequence
 
 # ---- 3. the draft, over many prompts' rows of blocks ---------------------------------------------------------------
 
-class BatchedDraftReplay:
+class BatchedDraftReplay(_DraftReader):
     """pipeline.replay.DraftReplay for many prompts: each prompt's g and context features (right-padded [P, L, F]),
     the draft's context keys/values of every prompt computed once, and proposals for every prompt's blocks from ONE
     draft forward (a batch row per prompt)."""
 
     def __init__(self, draft, target, gs: Sequence[Sequence[int]], context: torch.Tensor):
-        self.draft, self.target = draft, target
         self.gs = [list(g) for g in gs]
-        self.head = _output_head(target)
-        self.scale = float(_draft_value(draft.config, "input_embedding_scale", 1.0))
-        self.mask_id = int(draft.mask_token_id)
-        self.device = context.device
-        self.kinds = [(bool(layer.self_attn.is_causal), layer.self_attn.sliding_window) for layer in draft.layers]
-        self.dflash2 = isinstance(draft, DFlash2DraftModel)
-        self.min_block = max((layer.attention_conv.kernel_size - 1 for layer in draft.layers
-                              if layer.attention_conv is not None), default=2)
-        self.forwards = 0
-        P, n_ctx = context.shape[:2]
-        # Every prompt's context keys/values (per layer [P, kv_heads, L, head_dim]), as DraftReplay computes them:
-        # one forward with a throw-away 1-token block per prompt. A padded position's keys are never visible (a
-        # block at start s sees context positions < s only, and s <= the prompt's own length).
-        keys = _Keys()
-        dummy = _raw_input_embeddings(target, torch.full((P, 1), self.mask_id, device=self.device), self.scale)
-        with torch.inference_mode(), _draft_cpu_gqa(self.device):
-            _draft_forward(draft, dummy, context, torch.arange(n_ctx + 1, device=self.device)[None].expand(P, -1),
-                           keys, [None] * len(draft.layers), torch.zeros(1, dtype=torch.long, device=self.device))
-        self.kv = [(k[:, :, :n_ctx], v[:, :, :n_ctx]) for k, v in (keys.seen[i] for i in range(len(draft.layers)))]
-        self.no_context = context[:1, :0].expand(P, -1, -1)
+        # A padded position's keys are never visible: a block at start s sees context positions < s only, and s is
+        # at most the prompt's own length.
+        self._read_context(draft, target, context, attention=lambda: _draft_cpu_gqa(context.device))
 
     def _fail(self, vs: int):
         raise RuntimeError(f"dflash's DFlash2 convolution (kernel {self.min_block + 1}) cannot run on a block of "

@@ -107,6 +107,24 @@ RESULT_COLUMNS = [
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 
 
+# ---- per-step rule tuning (tune's output: one row per held-out label prompt x method) ----------------------------
+
+TUNE_COLUMNS = [
+    ("prompt_id", pa.string(), "Id of the held-out label prompt (as in prompts/)."),
+    ("source", pa.string(), "Its prompt source."),
+    ("method", pa.string(), "b=N (the fixed baseline) or RULE@B_MAX."),
+    ("block_size", pa.int16(), "b, or the drafted block size b_max of a rule."),
+    ("step_rule", pa.string(), "The rule (pipeline.step_rules.parse_rule form); null for the fixed baseline."),
+    ("steps", pa.int32(), "Verify steps."),
+    ("new_tokens", pa.int32(), "Tokens generated."),
+    ("verified", pa.list_(pa.int16()), "Drafted tokens sent to the target at each step."),
+    ("committed", pa.list_(pa.int16()), "Tokens committed at each step (bonus included)."),
+    ("modelled_seconds", pa.float64(), "Sum over steps of the cost profile's step_seconds(b_max, verified)."),
+    ("worker", pa.string(), "Which worker decoded the prompt."),
+]
+TUNE_SCHEMA = pa.schema([(n, t) for n, t, _ in TUNE_COLUMNS])
+
+
 def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
     """The label schema of ``version`` (v1 and v2 differ only in the logits' element type)."""
     fields = []

@@ -93,33 +93,5 @@ def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Seq
     return _labels(state, candidates, per_b, step_cost)
 
 
-def measure_step_costs(engine: Engine, block_sizes: Sequence[int], vocab_size: int, prompt_tokens: int = 64,
-                       steps: int = 8, repeats: int = 2, seed: int = 0) -> Dict[int, float]:
-    """Seconds per decode step (draft forward + target verify) at each block size on this worker's hardware.
-
-    Superseded by :func:`pipeline.cost.measure_profile` (label uses that): this short probe measures one or two
-    steps per b (``steps`` tokens at tau ~4) and cannot tell b = 6 from b = 10. Kept for comparison only.
-
-    A fixed synthetic prompt; no stop tokens so every probe runs its steps; the first repeat warms up and the
-    fastest of the rest is kept (the least disturbed by other load).
-    """
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, max(2, vocab_size - 8), (1, prompt_tokens), generator=g)
-    saved, engine.stop_token_ids = engine.stop_token_ids, None
-    try:
-        state = engine.prefill(ids)
-        costs = {}
-        for b in block_sizes:
-            per_step = []
-            for _ in range(repeats + 1):
-                # At most `steps` steps: each commits >= 1 token, so steps + 1 new tokens bound it.
-                r = engine.decode(state, block_size=b, max_new_tokens=steps + 1)
-                per_step.append((r.draft_seconds + r.verify_seconds) / max(1, r.steps))
-            costs[int(b)] = float(min(per_step[1:]))
-        return costs
-    finally:
-        engine.stop_token_ids = saved
-
-
 def logits_to_numpy(logits: torch.Tensor) -> np.ndarray:
     return logits.detach().float().cpu().numpy().astype(np.float16)

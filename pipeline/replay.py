@@ -34,6 +34,8 @@ resolve differently.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -273,11 +275,15 @@ def _draft_forward(draft, noise, target_hidden, position_ids, keys: _Keys, masks
     return draft.norm(hidden)
 
 
-class DraftReplay:
-    """The draft's proposals along one greedy sequence g; ``context`` = target features of positions [0, N)."""
+class _DraftReader:
+    """What every replay of the draft sets up once from the target's context features ``context`` [P, N, F] (one
+    row per prompt; P = 1 for :class:`DraftReplay`): the output head, the mask token, each layer's attention kind
+    and every prompt's context keys/values. Those depend on the target features only, so one forward with a
+    throw-away 1-token block per prompt gives them all (per layer [P, kv_heads, N, head_dim]). ``attention`` wraps
+    that forward (batched replay's CPU attention, pipeline.batched._draft_cpu_gqa)."""
 
-    def __init__(self, draft, target, g: torch.Tensor, context: torch.Tensor):
-        self.draft, self.target, self.g = draft, target, g
+    def _read_context(self, draft, target, context: torch.Tensor, attention=contextlib.nullcontext) -> None:
+        self.draft, self.target = draft, target
         self.head = _output_head(target)
         self.scale = float(_draft_value(draft.config, "input_embedding_scale", 1.0))
         self.mask_id = int(draft.mask_token_id)
@@ -288,16 +294,22 @@ class DraftReplay:
         self.min_block = max((layer.attention_conv.kernel_size - 1 for layer in draft.layers
                               if layer.attention_conv is not None), default=2)
         self.forwards = 0
-        # The context keys/values of every position, computed once: they depend on the target features only, so
-        # one forward with a throw-away 1-token block gives them all (per layer [1, kv_heads, N, head_dim]).
-        n_ctx = context.shape[1]
+        P, n_ctx = context.shape[:2]
         keys = _Keys()
-        dummy = _raw_input_embeddings(target, torch.full((1, 1), self.mask_id, device=self.device), self.scale)
-        with torch.inference_mode():
-            _draft_forward(draft, dummy, context, torch.arange(n_ctx + 1, device=self.device)[None], keys,
-                           [None] * len(draft.layers), torch.zeros(1, dtype=torch.long, device=self.device))
+        dummy = _raw_input_embeddings(target, torch.full((P, 1), self.mask_id, device=self.device), self.scale)
+        with torch.inference_mode(), attention():
+            _draft_forward(draft, dummy, context, torch.arange(n_ctx + 1, device=self.device)[None].expand(P, -1),
+                           keys, [None] * len(draft.layers), torch.zeros(1, dtype=torch.long, device=self.device))
         self.kv = [(k[:, :, :n_ctx], v[:, :, :n_ctx]) for k, v in (keys.seen[i] for i in range(len(draft.layers)))]
-        self.no_context = context[:, :0]
+        self.no_context = context[:1, :0].expand(P, -1, -1)
+
+
+class DraftReplay(_DraftReader):
+    """The draft's proposals along one greedy sequence g; ``context`` = target features of positions [0, N)."""
+
+    def __init__(self, draft, target, g: torch.Tensor, context: torch.Tensor):
+        self.g = g
+        self._read_context(draft, target, context)
 
     def fails(self, vs: int) -> bool:
         return vs < self.min_block

@@ -20,6 +20,13 @@ from pipeline.shards import is_complete, list_shards, write_text_atomic
 from pipeline.storage import location, read_table, savefig
 
 
+def _save(fig, path) -> None:
+    """Every plot of the report: tight layout, written where the report goes (local or object storage), closed."""
+    fig.tight_layout()
+    savefig(fig, path, dpi=90)
+    _plt().close(fig)
+
+
 def _plt():
     import matplotlib
 
@@ -70,9 +77,7 @@ def label_section(labels_dir: Path, out: Path) -> List[str]:
     ax.set(xticks=np.arange(len(cands)) + width * (len(sources) - 1) / 2, xticklabels=[str(b) for b in cands],
            xlabel="optimal block size", ylabel="share of prompts", title="Optimal b per source")
     ax.legend()
-    fig.tight_layout()
-    savefig(fig, out / "optimal_b_hist.png", dpi=90)
-    plt.close(fig)
+    _save(fig, out / "optimal_b_hist.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.fill_between(cands, q[0], q[2], alpha=0.3, label="25-75%")
@@ -80,9 +85,7 @@ def label_section(labels_dir: Path, out: Path) -> List[str]:
     ax.plot(cands, tau.mean(axis=0), marker="s", linestyle="--", label="mean")
     ax.set(xlabel="block size b", ylabel="tau", title="Acceptance length against b")
     ax.legend()
-    fig.tight_layout()
-    savefig(fig, out / "tau_vs_b.png", dpi=90)
-    plt.close(fig)
+    _save(fig, out / "tau_vs_b.png")
     md += ["![optimal b per source](optimal_b_hist.png) ![tau against b](tau_vs_b.png)", ""]
     return md
 
@@ -134,9 +137,7 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
                 ax.text(j, i, str(cm[i, j]), ha="center", va="center")
         ax.set(xticks=range(len(cands)), yticks=range(len(cands)), xticklabels=cands, yticklabels=cands,
                xlabel="policy's choice", ylabel="label", title="Confusion matrix (val)")
-        fig.tight_layout()
-        savefig(fig, out / "confusion.png", dpi=90)
-        plt.close(fig)
+        _save(fig, out / "confusion.png")
         md += ["![confusion matrix](confusion.png)", ""]
     return md
 
@@ -155,9 +156,7 @@ def eval_section(eval_dir: Path, out: Path) -> List[str]:
     ax.set(xticks=np.arange(len(methods)) + width * (len(datasets) - 1) / 2, xticklabels=methods,
            ylabel="speedup vs AR", title="Speedup per dataset and method")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    savefig(fig, out / "speedup.png", dpi=90)
-    plt.close(fig)
+    _save(fig, out / "speedup.png")
     md += ["![speedup per dataset and method](speedup.png)", ""]
     return md
 
@@ -190,9 +189,7 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
                         label=f"{method} verified + 1")
         ax.set(title=pid[:24], xlabel="step", ylabel="tokens")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    savefig(fig, out / "per_step_traces.png", dpi=90)
-    plt.close(fig)
+    _save(fig, out / "per_step_traces.png")
     methods = [t["method"] for t in choice["table"]][:6]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     top = int(df["block_size"].max())
@@ -202,9 +199,7 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     ax.set(xlabel="drafted tokens verified per step", ylabel="share of steps",
            title="Verified length per rule (held-out label prompts)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    savefig(fig, out / "per_step_verified.png", dpi=90)
-    plt.close(fig)
+    _save(fig, out / "per_step_verified.png")
     md += ["![per-step traces](per_step_traces.png) ![verified lengths](per_step_verified.png)", ""]
     return md
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 import pyarrow as pa
 
 from pipeline.config import PipelineConfig
-from pipeline.dataset import encode_metadata
+from pipeline.dataset import TUNE_COLUMNS, TUNE_SCHEMA, encode_metadata
 from pipeline.driver import Plan, Rejects, ShardTask, require_complete
 from pipeline.shards import MANIFEST, file_sha256, list_shards, shard_name, write_json_atomic
 from pipeline.storage import location, read_table
@@ -31,20 +31,6 @@ from .decoding import DecodingStage
 
 RULE_FILE = "step_rule.json"
 COST_PROFILE = "cost_profile.json"
-COLUMNS = [
-    ("prompt_id", pa.string(), "Id of the held-out label prompt (as in prompts/)."),
-    ("source", pa.string(), "Its prompt source."),
-    ("method", pa.string(), "b=N (the fixed baseline) or RULE@B_MAX."),
-    ("block_size", pa.int16(), "b, or the drafted block size b_max of a rule."),
-    ("step_rule", pa.string(), "The rule (pipeline.step_rules.parse_rule form); null for the fixed baseline."),
-    ("steps", pa.int32(), "Verify steps."),
-    ("new_tokens", pa.int32(), "Tokens generated."),
-    ("verified", pa.list_(pa.int16()), "Drafted tokens sent to the target at each step."),
-    ("committed", pa.list_(pa.int16()), "Tokens committed at each step (bonus included)."),
-    ("modelled_seconds", pa.float64(), "Sum over steps of the cost profile's step_seconds(b_max, verified)."),
-    ("worker", pa.string(), "Which worker decoded the prompt."),
-]
-SCHEMA = pa.schema([(n, t) for n, t, _ in COLUMNS])
 
 
 def max_block_sizes(cfg: PipelineConfig, B: int) -> List[int]:
@@ -144,7 +130,8 @@ class TuneStage(DecodingStage):
                              "verified": res.verified, "committed": res.committed,
                              "modelled_seconds": sum(self.profile.step_seconds(b, v) for v in res.verified),
                              "worker": self.worker.identity})
-        return pa.Table.from_pylist(rows, schema=SCHEMA.with_metadata(encode_metadata({"baseline": self.baseline})))
+        meta = encode_metadata({"baseline": self.baseline})
+        return pa.Table.from_pylist(rows, schema=TUNE_SCHEMA.with_metadata(meta))
 
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -159,7 +146,7 @@ class TuneStage(DecodingStage):
                 f"(-> {self.folder / RULE_FILE})"]
 
     def card(self, manifest: Dict[str, Any]) -> str:
-        rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in COLUMNS)
+        rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in TUNE_COLUMNS)
         return ("# BlockPilot per-step rule tuning\n\nOne row per held-out label prompt x method; `step_rule.json` "
                 f"holds the chosen rule.\n\n| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
 

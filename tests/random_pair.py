@@ -67,3 +67,33 @@ def make_pair(seed: int, block_size: int = 4, tilt: float = 0.3, shrink: float =
 def prompt(seed: int, length: int = 12) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + seed)
     return torch.randint(0, VOCAB - 2, (1, length), generator=g)
+
+
+QWEN3_VOCAB = 151936
+
+
+def save_wide_pair(folder, hidden: int = 32, seed: int = 0):
+    """A random Qwen3 target + DFlash draft with Qwen3's vocabulary (V = 151,936; narrow otherwise: ``hidden``),
+    saved as checkpoints the loader reads (``folder/target``, ``folder/draft``); the lm_head is tilted as above so
+    that acceptance varies. The V = 151,936 test (tests/unit/test_batched.py) and benchmarks/label_wide_vocab.py."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    heads = max(2, hidden // 64)
+    common = dict(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 4), head_dim=hidden // heads, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6)
+    target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True,
+                                          eos_token_id=QWEN3_VOCAB - 2, **common)).eval()
+    draft_cfg = Qwen3Config(num_hidden_layers=1, num_target_layers=2, **common)
+    draft_cfg.dflash_config = {"block_size": 4, "mask_token_id": QWEN3_VOCAB - 1, "target_layer_ids": [0, 1]}
+    draft = DFlashDraftModel(draft_cfg).eval()
+    with torch.no_grad():
+        w = target.lm_head.weight
+        u = torch.randn(w.shape[1])
+        w[3] += 0.3 * u / u.norm()
+        w[4] -= 0.3 * u / u.norm()
+    target.save_pretrained(folder / "target")
+    draft.save_pretrained(folder / "draft")
+    return folder / "target", folder / "draft"

@@ -20,7 +20,7 @@ from pipeline.batched import (
 )
 from pipeline.engine import Engine, greedy_reference
 from pipeline.labeling import candidate_block_sizes, replay_label_prompt
-from random_pair import EOS_ID, make_pair, prompt
+from random_pair import EOS_ID, QWEN3_VOCAB, make_pair, prompt, save_wide_pair
 
 MAX_NEW = 20
 
@@ -173,33 +173,6 @@ def test_shard_batches_retry_a_failing_batch_prompt_by_prompt():
 
 # ---- a real vocabulary size: V = 151,936 through the label stage and the dataset code ------------------------
 
-QWEN3_VOCAB = 151936
-
-
-def _save_wide_pair(folder):
-    """A random Qwen3 target + DFlash draft with Qwen3's vocabulary (narrow otherwise), saved as checkpoints the
-    loader reads; the lm_head is tilted as in tests/random_pair.py so that acceptance varies."""
-    from dflash.model import DFlashDraftModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6)
-    target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, tie_word_embeddings=True,
-                                          eos_token_id=QWEN3_VOCAB - 2, **common)).eval()
-    draft_cfg = Qwen3Config(num_hidden_layers=1, num_target_layers=2, **common)
-    draft_cfg.dflash_config = {"block_size": 4, "mask_token_id": QWEN3_VOCAB - 1, "target_layer_ids": [0, 1]}
-    draft = DFlashDraftModel(draft_cfg).eval()
-    with torch.no_grad():
-        w = target.lm_head.weight
-        u = torch.randn(w.shape[1])
-        w[3] += 0.3 * u / u.norm()
-        w[4] -= 0.3 * u / u.norm()
-    target.save_pretrained(folder / "target")
-    draft.save_pretrained(folder / "draft")
-    return folder / "target", folder / "draft"
-
-
 def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
     from pipeline.config import load_config
     from pipeline.dataset import decode_metadata
@@ -208,7 +181,7 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 
-    target, draft = _save_wide_pair(tmp_path)
+    target, draft = save_wide_pair(tmp_path)
     out = tmp_path / "run"
     base = [f"output_dir={out}", "progress=false", f"model.target={target}", f"model.draft={draft}",
             "model.tokenizer=bundled:tiny-target", "model.dtype=float32", "model.device=cpu",

@@ -146,7 +146,8 @@ def test_a_rule_needs_a_block_to_cut():
 def test_tune_chooses_the_least_modelled_time_per_token():
     import pyarrow as pa
 
-    from stages.tune import SCHEMA, choose_rule
+    from pipeline.dataset import TUNE_SCHEMA as SCHEMA
+    from stages.tune import choose_rule
 
     def row(pid, method, b, rule, seconds, tokens):
         return {"prompt_id": pid, "source": "s", "method": method, "block_size": b, "step_rule": rule, "steps": 1,

@@ -90,7 +90,7 @@ RESULT_COLUMNS = [
     ("decode_seconds", pa.float32(), "Wall seconds of the decode (prefill excluded)."),
     ("time_per_output_token", pa.float32(), "decode_seconds / new_tokens."),
     ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
-    ("policy_seconds", pa.float32(), "The policy MLP's latency (adaptive rows only)."),
+    ("policy_seconds", pa.float32(), "The policy MLP's latency in its serving form (adaptive and policy rows)."),
     ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
      "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
@@ -98,11 +98,12 @@ RESULT_COLUMNS = [
      "adaptive rows it decoded; `block_size` is then the drafted block b_max. Null elsewhere."),
     ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (steps x cost(b); per-step rows: the "
      "draft's pass at b_max plus the verify over the tokens sent, per step). Null without a profile."),
-    ("folded_block_size", pa.int16(), "adaptive rows: the choice of the same policy folded through lm_head (reading "
-     "the final hidden state, BlockSizePolicy.fold); evaluate counts where it equals `policy_block_size`. Null "
-     "elsewhere."),
+    ("unfolded_block_size", pa.int16(), "adaptive rows: the choice of the same policy on the raw logits, as trained "
+     "(adaptive itself runs it folded through lm_head, reading the final hidden state: BlockSizePolicy.fold, the "
+     "serving form); evaluate counts where it equals `policy_block_size`. Null elsewhere, or when the policy does not "
+     "fold (an input transform other than none)."),
     ("policy_block_size", pa.int16(), "adaptive and policy rows: the policy's answer from the prefill (its fallback b "
-     "when it did not deviate). Null elsewhere."),
+     "when it did not deviate), from its serving form (folded, when it folds). Null elsewhere."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 

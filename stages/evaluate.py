@@ -112,8 +112,12 @@ class EvaluateStage(DecodingStage):
     @cached_property
     def rule_fallback(self):
         from pipeline.adaptive import RuleFallback
+        from pipeline.policy import SPEED_SCORE
 
-        return RuleFallback.from_tune(self.step_rule) if self.step_rule is not None else None
+        # Only a speed policy has a fallback b for the rule to replace (a classifier always takes its argmax).
+        if self.step_rule is None or self.policy_info.get("score") != SPEED_SCORE:
+            return None
+        return RuleFallback.from_tune(self.step_rule)
 
     @property
     def methods(self) -> List[str]:
@@ -145,16 +149,19 @@ class EvaluateStage(DecodingStage):
         if policy.vocab_size != self.models.vocab_size:
             raise ValueError(f"policy {self.policy_dir} was trained on V={policy.vocab_size}, "
                              f"the target has V={self.models.vocab_size}")
+        # Adaptive runs the serving form: the policy folded through lm_head, reading the final hidden state (H
+        # values, not V); its weights are what a serving loop touches once per request, which on the tiny pair (a
+        # 2.4M-parameter target) shows in the next decode's wall clock. The policy on raw logits, as trained, is
+        # asked too on every adaptive row (``unfolded_block_size``; finalize counts the agreements).
+        try:
+            serving = policy.fold(self.models.target.lm_head)
+            self.unfolded = AdaptiveDecoder(self.engine, policy, self.rule_fallback)
+        except ValueError:  # a policy on transformed logits does not fold: it serves on the logits
+            serving, self.unfolded = policy, None
         # The product's decoder (the tuned rule replacing the fallback b, when tune measured it faster on held-out
         # label prompts) and, with a rule, the policy alone (the "policy" method).
-        self.adaptive = AdaptiveDecoder(self.engine, policy, self.rule_fallback)
-        self.policy_only = AdaptiveDecoder(self.engine, policy)
-        # The serving form: the same policy folded through lm_head, reading the final hidden state; its choice is
-        # recorded beside the plain one on every adaptive row (finalize counts the agreements).
-        try:
-            self.folded = AdaptiveDecoder(self.engine, policy.fold(self.models.target.lm_head), self.rule_fallback)
-        except ValueError:  # a policy on transformed logits does not fold
-            self.folded = None
+        self.adaptive = AdaptiveDecoder(self.engine, serving, self.rule_fallback)
+        self.policy_only = AdaptiveDecoder(self.engine, serving)
         self.cost_profile = self._cost_profile()
 
     def _cost_profile(self):
@@ -228,8 +235,8 @@ class EvaluateStage(DecodingStage):
             for method, a in ad.items():
                 row = self._row(rec, method, method, a.block_size, a.decode, p, a.policy_seconds, ref)
                 row.update(step_rule=a.step_rule, policy_block_size=a.policy_block_size)
-                if method == "adaptive":  # the serving form's choice, beside the plain one
-                    row["folded_block_size"] = self.folded.choose(state)[0] if self.folded is not None else None
+                if method == "adaptive":  # the policy on raw logits, beside the folded (serving) form's choice
+                    row["unfolded_block_size"] = self.unfolded.choose(state)[0] if self.unfolded is not None else None
                 rows.append(row)
             for method, (b, res) in steps.items():
                 r = self._row(rec, method, method, b, res, p, None, ref)
@@ -359,10 +366,11 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
 
 
 def folded_agreement(results: pa.Table) -> Dict[str, Any]:
-    """On every adaptive row: did the folded policy (final hidden state) choose what the plain one (logits) chose?"""
-    rows = [r for r in results.select(["method", "policy_block_size", "folded_block_size"]).to_pylist()
-            if r["method"] == "adaptive" and r["folded_block_size"] is not None]
-    agree = sum(r["policy_block_size"] == r["folded_block_size"] for r in rows)
+    """On every adaptive row: did the folded policy (final hidden state; what adaptive ran) choose what the policy
+    on raw logits (as trained) chose?"""
+    rows = [r for r in results.select(["method", "policy_block_size", "unfolded_block_size"]).to_pylist()
+            if r["method"] == "adaptive" and r["unfolded_block_size"] is not None]
+    agree = sum(r["policy_block_size"] == r["unfolded_block_size"] for r in rows)
     return {"prompts": len(rows), "agree": agree, "all_equal": agree == len(rows)}
 
 

@@ -262,6 +262,9 @@ def test_evaluate_results_and_summary(run_dir):
     assert policy_rows["step_rule"].is_null().all() and (policy_rows["block_size"] == policy_rows[
         "policy_block_size"]).all()
     assert s["adaptive_rule_rows"] == adaptive["step_rule"].is_not_null().sum()
+    # Adaptive runs the folded policy (the serving form); the policy on raw logits chose the same on every prompt.
+    assert (adaptive["unfolded_block_size"] == adaptive["policy_block_size"]).all()
+    assert s["folded_policy"] == {"prompts": 8, "agree": 8, "all_equal": True}
     for metric in ("tau", "speedup"):
         for m in methods:
             for ds in [*s["datasets"], "average"]:
@@ -371,3 +374,30 @@ def test_report_has_tables_and_valid_pngs(run_dir):
     fixed = [m for m in ev["methods"] if m.startswith("b=")]
     assert h["best_fixed"] == max(fixed, key=lambda m: ev["tables"]["speedup"][m]["average"])  # the fastest b
     assert "| adaptive | " in text and h["best_fixed"] in text
+
+
+def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
+    """train.objective=paper (the paper's argmax-tau classifier, for reproduction) through train, tune, evaluate and
+    report on the same labels: a classifier has no fallback b, so adaptive decodes its argmax with whole-block
+    verifies (the tuned rule replaces only a speed policy's fallback)."""
+    import polars as pl
+
+    from stages import evaluate, report, train, tune
+
+    out = tmp_path / "paper"
+    out.mkdir()
+    for name in ("prompts", "labels"):
+        shutil.copytree(run_dir[0] / name, out / name)
+    cfg = cfg_for(out, "train.objective=paper")
+    assert train.run(cfg)["objective"] == "paper"
+    info = json.loads((out / "train" / "policy" / "policy.json").read_text())
+    assert info["objective"] == "paper" and info.get("score") != "log_speed_ratio"
+    tune.run(cfg)
+    s = evaluate.run(cfg)
+    res = pl.read_parquet(out / "eval" / "results.parquet")
+    adaptive = res.filter(pl.col("method") == "adaptive")
+    assert adaptive.height == 8 and adaptive["matches_autoregressive"].all()
+    assert adaptive["step_rule"].is_null().all() and (adaptive["block_size"] == adaptive["policy_block_size"]).all()
+    assert s["headline"]["adaptive_is"] == "the policy alone" and s["folded_policy"]["all_equal"]
+    report.run(cfg)
+    assert "adaptive" in (out / "report" / "report.md").read_text()

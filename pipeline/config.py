@@ -179,8 +179,10 @@ class EvaluateConfig:
     fixed_block_sizes: Optional[List[int]] = None
     limit: Optional[int] = None
     num_workers: Optional[int] = None
-    # Also decode with the per-step rule `blockpilot tune` chose (alone at its b_max, and inside the policy's b),
-    # when output_dir/tune is complete.
+    # Use the per-step rule `blockpilot tune` chose, when output_dir/tune is complete: adaptive decodes with it
+    # where the policy answers its fallback b (if tune measured it faster there), and evaluate also runs its two
+    # parts apart (`policy`: the policy alone; `per-step`: the rule alone at its b_max). false: adaptive is the
+    # policy alone, and run skips tune.
     per_step: bool = True
 
 

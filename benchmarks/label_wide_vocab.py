@@ -30,6 +30,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from benchmarks.label_scaling import busy_throughput  # noqa: E402
 from random_pair import save_wide_pair  # noqa: E402  (the V = 151,936 pair, shared with its test)
 
 CHILD = """
@@ -90,13 +91,12 @@ def main(argv=None) -> int:
             report = validate_dataset(str(labels))
             shards = sorted(labels.glob("part-*.parquet"))
             t = pa.concat_tables([pq.read_table(p) for p in shards])
-            busy = sum(t.column("prefill_seconds").to_pylist()) + sum(sum(d) for d in t.column("decode_seconds")
-                                                                    .to_pylist())
+            _, rate, _ = busy_throughput(labels)  # one actor: rows / its labelling seconds
             nbytes = sum(p.stat().st_size for p in shards)
             rows_of[bs] = t.select(["prompt_id", "tau", "steps", "new_tokens", "label_block_size"]).to_pylist()
             print(f"batch {bs}: {t.num_rows} rows, V={t.schema.field('logits').type.list_size}, "
                   f"{nbytes / t.num_rows / 1024:.1f} KiB/row on disk, peak RSS {usage.ru_maxrss / 1024:.0f} MiB, "
-                  f"labelling {t.num_rows / busy:.2f} prompts/s, wall {wall:.1f} s; validate: "
+                  f"labelling {rate:.2f} prompts/s, wall {wall:.1f} s; validate: "
                   f"{'OK' if report.ok else report.render()}", flush=True)
         same = sum(a == b for a, b in zip(rows_of[1], rows_of[args.batch_size]))
         print(f"labels batch 1 vs batch {args.batch_size}: {same}/{len(rows_of[1])} rows identical")

@@ -269,3 +269,86 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
     cols = ["prompt_id", "tau", "steps", "new_tokens", "label_block_size"]
     assert pq.read_table(tmp_path / "batched" / "labels" / "part-00000.parquet", columns=cols).to_pylist() == \
         pq.read_table(tmp_path / "single" / "labels" / "part-00000.parquet", columns=cols).to_pylist()
+
+
+KINDS = [(False, None), (True, None), (False, 3), (True, 3)]
+
+
+def test_batched_layout_is_the_batch1_layout_per_prompt():
+    """_batched_layout (one set of tensor operations for every prompt) puts in batch row r exactly what
+    pipeline.replay._block_layout gives for prompt r's blocks alone, for every attention kind; its padding rows
+    see only themselves; positions, local indices, block anchors and the real rows' flat indices line up."""
+    from pipeline.batched import _batched_layout
+    from pipeline.replay import _block_layout
+
+    rows = [[(4, 10, 4), (6, 7, 6), (2, 12, 2)], [(5, 3, 5)], [(3, 15, 2), (7, 15, 7)]]
+    ctx_len = max(s for blocks in rows for _, s, _ in blocks)
+    lay = _batched_layout(rows, ctx_len, KINDS, torch.device("cpu"))
+    q_len = max(sum(vs for _, _, vs in blocks) for blocks in rows)
+    assert lay.q_len == q_len == 12
+    anchors, real = [], []
+    for r, blocks in enumerate(rows):
+        ref, pos, loc = _block_layout(blocks, ctx_len, set(KINDS), torch.device("cpu"))
+        q = pos.numel()
+        for kind in KINDS:
+            got = lay.masks[kind][r, 0]
+            assert torch.equal(got[:q, :ctx_len + q], ref[kind][0, 0]), kind
+            assert not got[:q, ctx_len + q:].any()  # a real row never sees another row's padding
+            for i in range(q, q_len):  # a padding row: itself only
+                assert got[i].nonzero().flatten().tolist() == [ctx_len + i]
+        assert torch.equal(lay.positions[r, :q], pos) and torch.equal(lay.local[r, :q], loc)
+        assert not lay.local[r, q:].any()
+        at = 0
+        for _, _, vs in blocks:
+            anchors.append(r * q_len + at)
+            at += vs
+        real += [r * q_len + i for i in range(q)]
+    assert lay.anchors.tolist() == anchors and lay.real.tolist() == real
+
+
+def test_deferred_draft_rows_equal_the_full_forward_and_keys_are_restored():
+    """_draft_forward_deferred's rows (each layer's MLP on real rows only, the last layer's output projection and
+    MLP only on the rows read) equal the full forward's rows, and the in-place key buffers (_BufferKeys) hold the
+    context again after every forward: a second forward of other blocks matches a fresh runner's."""
+    from pipeline.batched import BatchedDraftReplay, _batched_layout, _draft_forward_deferred
+    from pipeline.replay import _draft_forward, _Keys
+    from dflash.model import _raw_input_embeddings
+
+    target, draft = make_pair(4, layer_types=["full_attention", "full_attention"])
+    prompts = [prompt(40 + i, length=n).tolist()[0] for i, n in enumerate((9, 14, 5))]
+    news, context, _, _ = greedy_continuations(target, prompts, MAX_NEW, None, layer_ids=draft.target_layer_ids)
+    gs = [p + c for p, c in zip(prompts, news)]
+    runner = BatchedDraftReplay(draft, target, gs, context)
+    saved = [(k.clone(), v.clone()) for k, v in runner.kv]
+
+    @torch.inference_mode()
+    def forward(work):
+        idx = list(work)
+        ctx_len = max(s for blocks in work.values() for _, s, _ in blocks)
+        lay = _batched_layout([work[p] for p in idx], ctx_len, runner.kinds, runner.device)
+        tokens = torch.full((len(idx) * lay.q_len,), runner.mask_id)
+        tokens[lay.anchors] = torch.tensor([gs[p][s] for p in idx for _, s, _ in work[p]])
+        noise = _raw_input_embeddings(target, tokens.view(len(idx), lay.q_len), runner.scale)
+        masks = [lay.masks[kind] for kind in runner.kinds]
+        sel = torch.tensor(idx)
+        full = _draft_forward(draft, noise, runner.no_context[:len(idx)], lay.positions,
+                              _Keys([(k[sel, :, :ctx_len], v[sel, :, :ctx_len]) for k, v in saved]), masks,
+                              lay.local).reshape(-1, noise.shape[-1])
+        with runner._keys_for(idx, ctx_len, lay.q_len) as keys:
+            read = _draft_forward_deferred(draft, noise, runner.no_context[:len(idx)], lay.positions, keys, masks,
+                                           lay.real)
+        return full, read, lay
+
+    for work in ({0: [(3, 9, 3), (5, 11, 5)], 1: [(4, 14, 4)], 2: [(2, 5, 2), (6, 6, 6)]},
+                 {0: [(4, 12, 4)], 2: [(5, 8, 5)]}):  # fewer prompts: the buffers are rebuilt for them
+        full, read, lay = forward(work)
+        read = torch.inference_mode()(read)
+        picked = lay.real[torch.randperm(lay.real.numel(), generator=torch.Generator().manual_seed(0))[:7]]
+        torch.testing.assert_close(read(picked), full[picked], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(read(lay.real), full[lay.real], rtol=1e-5, atol=1e-5)
+        rows = runner._rows
+        for (bk, bv), (k, v) in zip(runner._buffers, saved):  # the context is back after the forward
+            n = k.shape[2]
+            assert torch.equal(bk[:, :, :n], k[rows]) and torch.equal(bv[:, :, :n], v[rows])
+    # Unchanged weights: the deferred path did not leave dflash's output projection swapped out.
+    assert all(isinstance(layer.self_attn.o_proj, torch.nn.Linear) for layer in draft.layers)

@@ -100,6 +100,34 @@ def _sdpa_cpu_gqa(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
+_VISIBLE = [None, 0]  # (the last mask seen, its visible width): one reduction per forward, not one per layer
+
+
+def _visible_width(mask: torch.Tensor) -> int:
+    """1 + the last key column any query of ``mask`` sees. The mask object itself is held, so the same object is
+    recognised (every layer of one forward gets the same mask) and a new one never mistaken for it."""
+    if _VISIBLE[0] is not mask:
+        seen = mask.reshape(-1, mask.shape[-1]).any(0).nonzero()
+        _VISIBLE[:] = [mask, int(seen[-1]) + 1 if seen.numel() else mask.shape[-1]]
+    return _VISIBLE[1]
+
+
+def _sdpa_cpu_gqa_static(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                         **kwargs):
+    """:func:`_sdpa_cpu_gqa` for generate's static KV cache, whose attention spans every slot up to prompt +
+    max_new_tokens, filled or not: the columns after the last one any query sees (the unfilled slots) are left
+    out. Their weights are zeros, so only the kernel's blocking of the keys changes: the same g and features up to
+    float rounding (measured: logits within 8e-6, g identical on the 64 bench prompts), as a dynamic cache would
+    give. The prefill then reads 1/3 fewer keys and a decode step ~1/5 fewer at 128 new tokens: generate 3.62 ->
+    3.36 s per 64 prompts on this CPU (interleaved runs)."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool and query.device.type == "cpu":
+        width = _visible_width(attention_mask)
+        if width < key.shape[-2]:
+            key, value, attention_mask = key[:, :, :width], value[:, :, :width], attention_mask[..., :width]
+    return _sdpa_cpu_gqa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
+
+
 @contextmanager
 def _draft_cpu_gqa(device):
     """The same attention for the draft's forwards: dflash's draft attention calls ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -133,7 +161,7 @@ def _cpu_gqa_attention(target):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     if CPU_GQA_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa)
+        AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_cpu_gqa_static)
         AttentionMaskInterface.register(CPU_GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # sdpa's masks
     return CPU_GQA_ATTENTION
 

@@ -352,3 +352,17 @@ def test_deferred_draft_rows_equal_the_full_forward_and_keys_are_restored():
             assert torch.equal(bk[:, :, :n], k[rows]) and torch.equal(bv[:, :, :n], v[rows])
     # Unchanged weights: the deferred path did not leave dflash's output projection swapped out.
     assert all(isinstance(layer.self_attn.o_proj, torch.nn.Linear) for layer in draft.layers)
+
+
+def test_draft_output_multiplier_and_softcap_are_applied():
+    """Batched replay skips dflash's multiply by an output_multiplier of exactly 1.0; any other multiplier (here
+    -1.0, which turns the draft's argmax into its argmin) or a softcap still goes through compute_logits, as in the
+    engine: batched labels equal batch-1 replay's, and differ from the plain draft's."""
+    prompts = [prompt(60 + i, length=n) for i, n in enumerate((6, 11, 3))]
+    target, draft = make_pair(5)
+    plain = batched_replay_label_prompts(Engine(target, draft, [EOS_ID]), prompts, [2, 3, 4], MAX_NEW)
+    for extra in ({"output_multiplier": -1.0}, {"final_logit_softcapping": 0.05, "output_multiplier": -2.0}):
+        target, draft = make_pair(5)
+        draft.config.dflash_config.update(extra)
+        got = _assert_batched_equals_batch1(Engine(target, draft, [EOS_ID]), prompts, [2, 3, 4], MAX_NEW)
+        assert [_key(o) for o in got] != [_key(o) for o in plain]

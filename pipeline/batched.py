@@ -5,22 +5,26 @@ along prompt + g; everything else is draft work. Neither depends on b, so a labe
 batch of prompts at once, which is where the speed comes from: a batch-1 decode leaves a GPU mostly idle
 (memory-bound) and a CPU mostly paying per-call overhead.
 
-1. **g**, by batched greedy decoding of the target with a KV cache: Hugging Face ``generate`` (library code), left
-   padding with an attention mask and the position ids it derives from the mask, stopping per prompt at the stop
-   tokens or max_new_tokens exactly as the engine does (the stop token is part of g, the budget counts the first
-   token). A batched speculative decode would be ragged (every prompt accepts a different number of tokens per
-   step): with one shared KV cache, rejected positions stay as masked holes, the cache grows by B per step and the
-   batch runs as many steps as its slowest prompt, which on this CPU costs about what the 128 one-token steps cost
-   (estimated from the measured step costs); plain batched greedy is what the library does well and, at T = 0,
-   gives the same g. On CPU, generate runs with :func:`_sdpa_cpu_gqa` (transformers' sdpa attention without
-   copying the KV cache per head group: -1/3 of the decode time, identical outputs).
+1. **g**, by batched greedy decoding of the target with a static KV cache (:func:`greedy_continuations`): the
+   prompts are prefilled PREFILL_GROUP at a time, grouped by length, their keys/values placed left-padded into one
+   cache, then the batch decodes one token per forward with an attention mask and position ids per prompt, stopping
+   per prompt at the stop tokens or max_new_tokens exactly as the engine does (the stop token is part of g, the
+   budget counts the first token). Written out rather than Hugging Face ``generate``, which prefills the whole
+   batch as one left-padded block: measured in one process on the 64 bench prompts, 3.57 s with generate at batch
+   32, 3.11 s with this loop, 2.80 s at batch 64 (generate at 64: 3.50 s), the same tokens. A batched speculative
+   decode would be ragged (every prompt accepts a different number of tokens per step): with one shared KV cache,
+   rejected positions stay as masked holes, the cache grows by B per step and the batch runs as many steps as its
+   slowest prompt, which on this CPU costs about what the 128 one-token steps cost (estimated from the measured
+   step costs); at T = 0 plain batched greedy gives the same g. On CPU the target's attention is
+   :func:`_sdpa_cpu_gqa_static` (torch's SDPA broadcasting the key/value heads instead of copying the KV cache per
+   head group, -1/3 of the decode time; the unfilled cache slots left out).
 2. **Features**: the hidden states of the draft's ``target_layer_ids`` at every position of prompt + g (what the
    engine's prefill and verify steps hand the draft) and the raw last-prompt-position logits (the policy's
-   feature, what ``Engine.prefill`` returns). They are captured from the forwards of step 1 themselves (hooks, see
-   :func:`greedy_continuations`), which is the teacher-forced pass over prompt + g without running it a second
-   time; :func:`target_features` is that teacher-forced pass (one forward for the batch, prompts left-padded so
-   that every prompt ends at the same column), kept as the reference the tests compare with (measured here: ~12 %
-   of a batch's time saved by not running it).
+   feature, what ``Engine.prefill`` returns). They are read from the forwards of step 1 themselves, which is the
+   teacher-forced pass over prompt + g without running it a second time; :func:`target_features` is that
+   teacher-forced pass (one forward for the batch, prompts left-padded so that every prompt ends at the same
+   column), kept as the reference the tests compare with (measured here: ~12 % of a batch's time saved by not
+   running it).
 3. **The draft's walks**, lockstep AND batched across prompts: each round, ONE draft forward proposes for the
    current start of every candidate of every prompt still running (a row of blocks side by side per prompt, the
    block masks of pipeline.replay per prompt, padding rows that see only themselves). The bookkeeping of every
@@ -63,6 +67,8 @@ from .replay import _draft_forward, _DraftReader, replay_unsupported, step
 FEATURE_ELEMENTS = 1 << 28
 # Draft proposal rows per lm_head call: at V = 151,936 a [rows, V] float32 logits block of 1,024 rows is ~600 MB.
 HEAD_ROWS = 1024
+# Prompts per prefill forward in greedy_continuations (grouped by length, so that little of it is padding).
+PREFILL_GROUP = 8
 
 
 def _as_list(ids) -> List[int]:
@@ -78,7 +84,7 @@ def length_sorted_chunks(lengths: Sequence[int], batch_size: int) -> List[List[i
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-# ---- 1. g: batched greedy decoding (Hugging Face generate) -----------------------------------------------------
+# ---- 1. g: batched greedy decoding ------------------------------------------------------------------------------
 
 CPU_GQA_ATTENTION = "blockpilot_sdpa_cpu_gqa"
 
@@ -114,12 +120,12 @@ def _visible_width(mask: torch.Tensor) -> int:
 
 def _sdpa_cpu_gqa_static(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                          **kwargs):
-    """:func:`_sdpa_cpu_gqa` for generate's static KV cache, whose attention spans every slot up to prompt +
+    """:func:`_sdpa_cpu_gqa` for a static KV cache, whose attention spans every slot up to prompt +
     max_new_tokens, filled or not: the columns after the last one any query sees (the unfilled slots) are left
     out. Their weights are zeros, so only the kernel's blocking of the keys changes: the same g and features up to
     float rounding (measured: logits within 8e-6, g identical on the 64 bench prompts), as a dynamic cache would
-    give. The prefill then reads 1/3 fewer keys and a decode step ~1/5 fewer at 128 new tokens: generate 3.62 ->
-    3.36 s per 64 prompts on this CPU (interleaved runs)."""
+    give. A decode step then reads ~1/5 fewer keys at 128 new tokens: with HF generate (which also prefilled
+    through the static cache), 3.62 -> 3.36 s per 64 prompts on this CPU (interleaved runs)."""
     if attention_mask is not None and attention_mask.dtype == torch.bool and query.device.type == "cpu":
         width = _visible_width(attention_mask)
         if width < key.shape[-2]:
@@ -154,7 +160,8 @@ def _draft_cpu_gqa(device):
 
 
 def _cpu_gqa_attention(target):
-    """The attention implementation generate should run with: ours for an sdpa target on CPU, else unchanged."""
+    """The attention implementation the batched greedy decode runs with: ours for an sdpa target on CPU, else
+    unchanged."""
     if target.device.type != "cpu" or getattr(target.config, "_attn_implementation", None) != "sdpa":
         return None
     from transformers import AttentionInterface
@@ -173,84 +180,121 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
     """The target's greedy new tokens for every prompt: up to max_new_tokens, ending with the first stop token if
     one comes (as Engine.decode / greedy_reference end).
 
-    With ``layer_ids`` (the draft's target_layer_ids), also what the draft needs, captured from the very forwards
-    that produce g instead of a second, teacher-forced pass (:func:`target_features`): returns ``(new tokens,
-    context [P, L, F] right-padded: the context features of positions 0 .. len(prompt + g) - 2, which is every
-    position a block's context can reach; logits [P, V]: the raw last-prompt-position logits from the prefill;
-    seconds of the prefill)``. A forward hook on the base model asks it for its hidden states (the engine's
-    ``output_hidden_states=True``, read by the same ``extract_context_feature``) and keeps only the draft's
-    layers: ``generate(output_hidden_states=True)`` would keep every layer of every step."""
-    from transformers import GenerationConfig
+    With ``layer_ids`` (the draft's target_layer_ids), also what the draft needs, read from the very forwards that
+    produce g instead of a second, teacher-forced pass (:func:`target_features`): returns ``(new tokens, context
+    [P, L, F] right-padded: the context features of positions 0 .. len(prompt + g) - 2, which is every position a
+    block's context can reach; logits [P, V]: the raw last-prompt-position logits from the prefill; seconds of the
+    prefill)``, the features extracted from each forward's hidden states as the engine extracts them
+    (``extract_context_feature``).
+
+    Written out rather than Hugging Face ``generate`` (which a label actor used before): generate prefills the
+    batch as one block left-padded to its longest prompt (23 % of the prefill rows were padding on the 64 bench
+    prompts at batch 32, more at 64), and pays its per-step machinery every token. Here the prompts are prefilled
+    PREFILL_GROUP at a time by length, their keys/values placed left-padded into one static KV cache, then the
+    batch decodes one token per forward (measured: the module docstring)."""
+    from transformers import StaticCache
 
     device = target.device
-    P = len(prompts)
-    n_max = max(len(p) for p in prompts)
-    ids = torch.full((P, n_max), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((P, n_max), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n_max - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, n_max - len(p):] = 1
+    clock = clock or time.perf_counter
+    prompts = [list(p) for p in prompts]
+    P, lens = len(prompts), [len(p) for p in prompts]
+    n_max = max(lens)
     stops = [int(t) for t in (stop_token_ids or [])]
-    # eos_token_id=[] (not None) when there are no stop tokens: generate fills every None from the model's own
-    # generation config, which would stop at the model's eos, and could add its sampling or penalty settings.
-    # A static KV cache (allocated once at prompt + max_new_tokens): the default dynamic cache concatenates every
-    # layer's keys and values each step, a copy of the whole cache per token (~11 % of generate here, measured by
-    # benchmarks/label_throughput.py). Attention then spans the masked unfilled slots too; same greedy tokens.
-    # disable_compile: on CUDA, generate compiles the forward of a static-cache decode by default; the feature hooks
-    # below read every forward's hidden states, and each batch's new shapes would compile again.
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                              pad_token_id=pad_token_id, cache_implementation="static", disable_compile=True)
-    saved = target.generation_config
-    # The same fill-in, for every other field (repetition_penalty, min_new_tokens, ...): generate reads only ours.
-    target.generation_config = GenerationConfig()
-    feats, first_logits, prefill_done = [], [], []
-    hooks = []
-    if layer_ids is not None:
-        base = target.base_model
-        clock = clock or time.perf_counter
-        t_start = clock()
-
-        def ask_hidden(module, args, kwargs):
-            return args, {**kwargs, "output_hidden_states": True}
-
-        def keep_features(module, args, kwargs, output):
-            feats.append(extract_context_feature(output.hidden_states, list(layer_ids)))
-            output.hidden_states = None  # every layer's states are not needed past this point
-
-        def keep_logits(module, args, output):
-            if not first_logits:
-                first_logits.append(output.logits[:, -1])
-                prefill_done.append(clock() - t_start)
-
-        hooks = [base.register_forward_pre_hook(ask_hidden, with_kwargs=True),
-                 base.register_forward_hook(keep_features, with_kwargs=True),
-                 target.register_forward_hook(keep_logits)]
+    layers = list(layer_ids) if layer_ids is not None else None
     attention = _cpu_gqa_attention(target)
+    t_start = clock()
     try:
         if attention:
             target.set_attn_implementation(attention)
-        out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        first, keys, features = _grouped_prefill(target, prompts, n_max, pad_token_id, layers)
+        # One static cache for the batch, prompts right-aligned at column n_max (left padding: zero keys, masked).
+        cache = StaticCache(config=target.config, max_cache_len=n_max + max_new_tokens)
+        for i, (k, v) in enumerate(keys):
+            cache.update(k, v, i)
+        del keys
+        prefill_seconds = clock() - t_start
+        mask = torch.ones((P, n_max + max_new_tokens), dtype=torch.long, device=device)
+        for i, n in enumerate(lens):
+            mask[i, :n_max - n] = 0
+        last = torch.tensor([n - 1 for n in lens], device=device)
+        token = first.argmax(-1)
+        tokens, feats = [token], [features]
+        stop_t = torch.tensor(stops, device=device) if stops else None
+        done = torch.isin(token, stop_t) if stops else None
+        for t in range(1, max_new_tokens):
+            if done is not None and bool(done.all()):
+                break
+            out = target(input_ids=token[:, None], attention_mask=mask[:, :n_max + t],
+                         position_ids=(last + t)[:, None], past_key_values=cache, use_cache=True,
+                         output_hidden_states=layers is not None)
+            if layers is not None:
+                feats.append(extract_context_feature(out.hidden_states, layers))
+            token = out.logits[:, -1].argmax(-1)
+            tokens.append(token)
+            if done is not None:
+                done |= torch.isin(token, stop_t)
+            del out
     finally:
-        target.generation_config = saved
         if attention:
             target.set_attn_implementation("sdpa")
-        for h in hooks:
-            h.remove()
     stop_set = set(stops)
     result = []
-    for row in out[:, n_max:].tolist():
+    for row in torch.stack(tokens, 1).tolist():
         cut = next((j + 1 for j, t in enumerate(row) if t in stop_set), len(row))
         result.append(row[:cut])
-    if layer_ids is None:
+    if layers is None:
         return result
     # feats: the prefill's [P, n_max, F] (left-padded), then [P, 1, F] per step: left-padded -> right-padded, row
     # i's position j at column n_max - len(prompt_i) + j.
     allf = torch.cat(feats, dim=1)
     L = max(len(p) + len(c) for p, c in zip(prompts, result)) - 1
-    offset = torch.tensor([n_max - len(p) for p in prompts], device=allf.device)
+    offset = torch.tensor([n_max - n for n in lens], device=allf.device)
     cols = (offset[:, None] + torch.arange(L, device=allf.device)[None]).clamp(max=allf.shape[1] - 1)
     context = torch.gather(allf, 1, cols[:, :, None].expand(-1, -1, allf.shape[-1]))
-    return result, context, first_logits[0], prefill_done[0]
+    return result, context, first, prefill_seconds
+
+
+def _grouped_prefill(target, prompts: List[List[int]], n_max: int, pad_token_id: int, layers):
+    """The prefill of every prompt, PREFILL_GROUP prompts of similar length per forward (each group left-padded to
+    its own longest): (last-position logits [P, V]; per layer (keys, values) [P, kv heads, n_max, head dim], each
+    prompt right-aligned at column n_max, zeros before it; the draft's context features [P, n_max, F] likewise, or
+    None without ``layers``)."""
+    from transformers import DynamicCache
+
+    device = target.device
+    P, lens = len(prompts), [len(p) for p in prompts]
+    order = sorted(range(P), key=lambda i: (lens[i], i))
+    first = keys = features = None
+    for lo in range(0, P, PREFILL_GROUP):
+        rows = order[lo:lo + PREFILL_GROUP]
+        n = max(lens[i] for i in rows)
+        ids = torch.full((len(rows), n), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), n), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, n - lens[i]:] = torch.tensor(prompts[i], dtype=torch.long)
+            mask[r, n - lens[i]:] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        group_cache = DynamicCache(config=target.config)
+        out = target(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                     past_key_values=group_cache, use_cache=True, logits_to_keep=1,
+                     output_hidden_states=layers is not None)
+        sel = torch.tensor(rows, device=device)
+        if first is None:
+            first = out.logits.new_empty((P, out.logits.shape[-1]))
+            keys = [(layer.keys.new_zeros((P, *layer.keys.shape[1:2], n_max, layer.keys.shape[3])),
+                     layer.values.new_zeros((P, *layer.values.shape[1:2], n_max, layer.values.shape[3])))
+                    for layer in group_cache.layers]
+        first[sel] = out.logits[:, -1]
+        for (k, v), layer in zip(keys, group_cache.layers):
+            k[sel, :, n_max - n:] = layer.keys
+            v[sel, :, n_max - n:] = layer.values
+        if layers is not None:
+            f = extract_context_feature(out.hidden_states, layers)
+            if features is None:
+                features = f.new_zeros((P, n_max, f.shape[-1]))
+            features[sel, n_max - n:] = f
+        del out, group_cache
+    return first, keys, features
 
 
 # ---- 2. the target's features: one teacher-forced forward --------------------------------------------------------
@@ -585,7 +629,7 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         raise ValueError("every prompt needs at least one token")
     P = len(prompts)
     t0 = engine.now()
-    # g, the draft's context features and the prefill logits from one batched generate (see greedy_continuations);
+    # g, the draft's context features and the prefill logits from one batched greedy decode (greedy_continuations);
     # target_features would give the same from a second, teacher-forced pass, at ~12 % more time here.
     news, context, logits, prefill_seconds = greedy_continuations(
         engine.target, prompts, max_new_tokens, engine.stop_token_ids, pad_token_id,

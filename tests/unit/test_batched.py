@@ -215,13 +215,20 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
             pq.read_table(tmp_path / "run1" / "labels" / shard.name, columns=cols).to_pylist()
 
 
-def test_features_captured_during_generation_equal_a_teacher_forced_pass():
-    """The context features and prefill logits captured from generate's own forwards equal one teacher-forced
-    forward over prompt + g (pipeline.batched.target_features), position by position (float tolerance)."""
+@pytest.mark.parametrize("group", [8, 2])
+def test_features_captured_during_generation_equal_a_teacher_forced_pass(group, monkeypatch):
+    """The context features and prefill logits read from the greedy decode's own forwards equal one teacher-forced
+    forward over prompt + g (pipeline.batched.target_features), position by position (float tolerance); with
+    prefill groups of 2, the prompts (not in length order) are prefilled in several groups whose keys, values and
+    features are placed into the batch's rows: g is still each prompt's own greedy continuation."""
+    import pipeline.batched
     from pipeline.batched import target_features
 
+    monkeypatch.setattr(pipeline.batched, "PREFILL_GROUP", group)
     target, draft = make_pair(3, block_size=4)
-    prompts = [prompt(i, length=length).tolist()[0] for i, length in enumerate((2, 11, 6))]
+    prompts = [prompt(i, length=length).tolist()[0] for i, length in enumerate((2, 11, 6, 1, 17, 6, 9))]
+    for p, g in zip(prompts, greedy_continuations(target, prompts, MAX_NEW, [EOS_ID])):
+        assert g == greedy_reference(target, torch.tensor([p]), MAX_NEW, [EOS_ID])[0, len(p):].tolist()
     news, context, logits, _ = greedy_continuations(target, prompts, MAX_NEW, [EOS_ID],
                                                     layer_ids=draft.target_layer_ids)
     ref_context, ref_logits, lengths = target_features(target, draft.target_layer_ids, prompts, news)

@@ -108,7 +108,7 @@ class LabelConfig:
     # Prompts per actor forward in replay mode (pipeline/batched.py: one batched greedy decode of the target, then
     # the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1 (the
     # reference). How the default was measured: pipeline/conf/default.yaml.
-    batch_size: int = 32
+    batch_size: int = 64
 
 
 @dataclass

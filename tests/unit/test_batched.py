@@ -373,3 +373,26 @@ def test_draft_output_multiplier_and_softcap_are_applied():
         draft.config.dflash_config.update(extra)
         got = _assert_batched_equals_batch1(Engine(target, draft, [EOS_ID]), prompts, [2, 3, 4], MAX_NEW)
         assert [_key(o) for o in got] != [_key(o) for o in plain]
+
+
+def test_gpu_cost_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_label_costs.py (the GPU estimate's inputs) through its --smoke mode on CPU, so that the script
+    a lent GPU runs cannot rot here: every figure it writes is measured (positive) and the estimate uses them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_label_costs.py"
+    spec = importlib.util.spec_from_file_location("gpu_label_costs", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "costs.json"
+    assert bench.main(["--smoke", "--prompt-tokens", "16", "--steps", "3", "--batches", "2", "--candidates", "3,4",
+                       "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prefill_s"] > 0 and all(v > 0 for v in res["step_s"].values())
+    m = res["batched"]["2"]
+    assert min(m["prefill_s"], m["decode_step_s"], m["propose_s"], m["read_row_s"]) > 0
+    est = res["estimate"]
+    assert est["paper_s_per_prompt"] > sum(res["step_s"].values())  # 5 candidates x (N / tau) steps each
+    assert est["batched"]["2"]["vs_paper"] == pytest.approx(est["paper_s_per_prompt"]
+                                                            / est["batched"]["2"]["s_per_prompt"])

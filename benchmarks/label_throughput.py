@@ -1,7 +1,7 @@
 """Labelling throughput: the paper's method vs exact greedy replay at batch 1 vs batched replay, on the same prompts.
 
     python benchmarks/label_throughput.py                  # 64 held-out prompts, T = 0, max_new_tokens 128, k = 2
-    python benchmarks/label_throughput.py --k 4 --batch-size 32
+    python benchmarks/label_throughput.py --k 4 --batch-size 32 --rounds 2
     python benchmarks/label_throughput.py --methods naive,exhaustive,replay,replay-seq,replay-all,batched
 
 Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
@@ -14,9 +14,10 @@ Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
   batched     batched replay (pipeline/batched.py, label.batch_size): one batched greedy decode of the target
               (features captured on the way), the draft's walks lockstep and batched across prompts
 
-Default methods: naive, replay, batched. The methods run round-robin batch by batch (length-sorted batches of
---batch-size prompts, as the label stage forms them; inside a batch the batch-1 methods go prompt by prompt): this
-machine is noisy, and whatever slows one slows all. Each method's labels (tau, steps, label) are compared with
+Default methods: naive, replay, batched. The methods run round-robin (length-sorted batches of --batch-size
+prompts, as the label stage forms them): each batch in --rounds rounds, each round the batch-1 methods on one slice
+of the batch, prompt by prompt, then batched replay on the whole batch (its time: the mean of its --rounds runs,
+which must give the same labels). This machine is noisy, and whatever slows one slows all. Each method's labels (tau, steps, label) are compared with
 naive's, prompt by prompt. Ends with the line `ratio batched/naive = X.XX (labels agree: N/M)`.
 """
 
@@ -57,6 +58,10 @@ def naive(engine, ids, cands, max_new):
     return _labels(state, cands, per_b, None)
 
 
+def _key(labels):
+    return labels.tau, labels.steps, labels.label_index
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
@@ -65,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="batched replay's batch (default: label.batch_size)")
     ap.add_argument("--methods", default="naive,replay,batched",
                     help="comma-separated, from naive, exhaustive, replay, replay-seq, replay-all, batched")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="batched runs per batch, interleaved with the batch-1 methods' slices of it (see above)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 = what one CPU label actor uses)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... (the engine's timers synchronise on CUDA)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA)")
@@ -97,17 +104,26 @@ def main(argv=None) -> int:
     done = 0
     for chunk in length_sorted_chunks([r["prompt_tokens"] for r in rows], batch_size):
         ids = [torch.tensor(rows[i]["input_ids"], device=m.device)[None] for i in chunk]
-        outs = {}
+        outs = {name: [] for name in methods}
+        rounds = max(1, min(args.rounds, len(ids)))
+        for r in range(rounds):
+            # Round r: the batch-1 methods on the r-th slice of the batch, then the whole batch batched; batched's
+            # time is its mean over the rounds. A slow spell of this shared machine then falls on every method.
+            part = ids[r * len(ids) // rounds:(r + 1) * len(ids) // rounds]
+            for name in methods:
+                t0 = time.perf_counter()
+                if name == "batched":
+                    got = batched_replay_label_prompts(engine, ids, cands, args.max_new_tokens)
+                    seconds[name] += (time.perf_counter() - t0) / rounds
+                    if r == 0:
+                        outs[name] = got
+                    elif [_key(o) for o in got] != [_key(o) for o in outs[name]]:
+                        raise RuntimeError("batched replay gave different labels on a repeat of the same batch")
+                else:
+                    outs[name] += [one[name](x) for x in part]
+                    seconds[name] += time.perf_counter() - t0
         for name in methods:
-            t0 = time.perf_counter()
-            if name == "batched":
-                outs[name] = batched_replay_label_prompts(engine, ids, cands, args.max_new_tokens)
-            else:
-                outs[name] = [one[name](x) for x in ids]
-            seconds[name] += time.perf_counter() - t0
-        for name in methods:
-            agree[name] += sum((o.tau, o.steps, o.label_index) == (r.tau, r.steps, r.label_index)
-                               for o, r in zip(outs[name], outs["naive"]))
+            agree[name] += sum(_key(o) == _key(r) for o, r in zip(outs[name], outs["naive"]))
         done += len(chunk)
         print(f"  {done}/{len(rows)} prompts", flush=True)
     n = len(rows)

@@ -244,14 +244,18 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
         result.append(row[:cut])
     if layers is None:
         return result
-    # feats: the prefill's [P, n_max, F] (left-padded), then [P, 1, F] per step: left-padded -> right-padded, row
-    # i's position j at column n_max - len(prompt_i) + j.
-    allf = torch.cat(feats, dim=1)
+    # feats: the prefill's [P, n_max, F] (left-padded), then [P, 1, F] per step.
     L = max(len(p) + len(c) for p, c in zip(prompts, result)) - 1
-    offset = torch.tensor([n_max - n for n in lens], device=allf.device)
-    cols = (offset[:, None] + torch.arange(L, device=allf.device)[None]).clamp(max=allf.shape[1] - 1)
-    context = torch.gather(allf, 1, cols[:, :, None].expand(-1, -1, allf.shape[-1]))
+    context = _right_aligned(torch.cat(feats, dim=1), [n_max - n for n in lens], L)
     return result, context, first, prefill_seconds
+
+
+def _right_aligned(feats: torch.Tensor, offsets: Sequence[int], length: int) -> torch.Tensor:
+    """Left-padded [P, W, F] -> right-padded [P, length, F]: row i's position j sits at column offsets[i] + j
+    (columns past W repeat the last one: padding, never read)."""
+    offset = torch.tensor(list(offsets), device=feats.device)
+    cols = (offset[:, None] + torch.arange(length, device=feats.device)[None]).clamp(max=feats.shape[1] - 1)
+    return torch.gather(feats, 1, cols[:, :, None].expand(-1, -1, feats.shape[-1]))
 
 
 def _grouped_prefill(target, prompts: List[List[int]], n_max: int, pad_token_id: int, layers):
@@ -328,10 +332,7 @@ def target_features(target, layer_ids: Sequence[int], prompts: Sequence[Sequence
         out = target(ids[lo:hi], attention_mask=mask[lo:hi], position_ids=positions[lo:hi], use_cache=False,
                      output_hidden_states=True, logits_to_keep=torch.tensor([n_max - 1], device=device))
         feats = extract_context_feature(out.hidden_states, list(layer_ids))
-        # Left-padded -> right-padded: row i's position j sits at column n_max - len(prompt_i) + j.
-        offset = torch.tensor([n_max - len(prompts[i]) for i in range(lo, hi)], device=device)
-        cols = (offset[:, None] + torch.arange(L, device=device)[None]).clamp(max=width - 1)
-        contexts.append(torch.gather(feats, 1, cols[:, :, None].expand(-1, -1, feats.shape[-1])))
+        contexts.append(_right_aligned(feats, [n_max - len(prompts[i]) for i in range(lo, hi)], L))
         logits.append(out.logits[:, -1])
         del out, feats
     return torch.cat(contexts), torch.cat(logits), lengths

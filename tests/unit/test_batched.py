@@ -103,8 +103,8 @@ def test_padding_does_not_change_g():
         for p, g in zip(prompts, together):
             ref = greedy_reference(target, torch.tensor([p]), MAX_NEW, stops)[0, len(p):].tolist()
             assert g == ref == greedy_continuations(target, [p], MAX_NEW, stops)[0]
-    # Stop tokens do cut some continuations, and without stop tokens none is cut (the model's own eos, which
-    # generate would otherwise take from its generation config, is not a stop token here).
+    # Stop tokens do cut some continuations, and without stop tokens none is cut (the model's own eos in its
+    # generation config is not a stop token here).
     target.generation_config.eos_token_id = 3
     assert any(len(g) < MAX_NEW for g in greedy_continuations(target, prompts, MAX_NEW, [3]))
     assert all(len(g) == MAX_NEW for g in greedy_continuations(target, prompts, MAX_NEW, None))

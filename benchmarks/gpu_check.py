@@ -32,7 +32,7 @@ for p in (ROOT, ROOT / "tests"):
 import torch  # noqa: E402
 from dflash import model as dflash_model  # noqa: E402
 
-from pipeline.engine import Engine, greedy_reference  # noqa: E402
+from pipeline.decoding.engine import Engine, greedy_reference  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,8 +100,8 @@ def _random_8b_pair(device: str, dtype: torch.dtype, narrow: bool, seed: int = 0
 
 
 def _agreement(engine, prompts, candidates, max_new: int) -> dict:
-    from pipeline.labeling import label_prompt
-    from pipeline.replay import replay_candidates
+    from pipeline.labelling.labels import label_prompt
+    from pipeline.labelling.replay import replay_candidates
 
     out = {"prompts": 0, "labels_equal": 0, "tau_equal": 0, "committed_equal": 0, "disagreements": []}
     for i, ids in enumerate(prompts):
@@ -122,11 +122,11 @@ def _agreement(engine, prompts, candidates, max_new: int) -> dict:
 
 
 def check_replay(device: str, dtype: torch.dtype, prompts: int, max_new: int, narrow: bool) -> dict:
-    from pipeline.config import ModelConfig
-    from pipeline.labeling import candidate_block_sizes
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
-    from pipeline.config import load_config
+    from pipeline.runtime.config import ModelConfig
+    from pipeline.labelling.labels import candidate_block_sizes
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
+    from pipeline.runtime.config import load_config
 
     m = load_models(ModelConfig(device=device, dtype=str(dtype).replace("torch.", "")))
     engine = Engine(m.target, m.draft, m.stop_token_ids)

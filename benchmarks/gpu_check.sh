@@ -55,7 +55,7 @@ step engine-fp32 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --d
 step engine-bf16 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --dtype bfloat16 --out "$OUT"
 step replay-bf16 180 "$PY" benchmarks/gpu_check.py replay --device "$DEVICE" --dtype bfloat16 --out "$OUT" $REPLAY_ARGS
 rm -rf "$OUT/run"
-step pipeline 300 "$PY" -m pipeline.cli run output_dir="$OUT/run" model.device="$DEVICE" ray.address=local \
+step pipeline 300 "$PY" -m stages.cli run output_dir="$OUT/run" model.device="$DEVICE" ray.address=local \
   progress=false $RUN_ARGS
 step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BENCH_ARGS
 

@@ -11,7 +11,7 @@ make every acceptance length 1, so this benchmark measures COSTS, not acceptance
   prefill        Engine.prefill of one prompt (batch 1)
   step(b)        Engine.decode at block size b: one draft forward of b rows + one target verify of b positions
                  (batch 1), in seconds per step
-  decode_step(P) pipeline.batched.greedy_continuations at batch P (static KV cache, feature hooks): seconds per
+  decode_step(P) pipeline.labelling.batched.greedy_continuations at batch P (static KV cache, feature hooks): seconds per
                  generated token of the whole batch, and its prefill
   propose(P)     BatchedDraftReplay.propose at batch P: ONE draft forward over every candidate's block of every
                  prompt (P x sum(candidates) rows), read at the first proposal of each block
@@ -39,8 +39,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pipeline.batched import BatchedDraftReplay, greedy_continuations  # noqa: E402
-from pipeline.engine import Engine  # noqa: E402
+from pipeline.labelling.batched import BatchedDraftReplay, greedy_continuations  # noqa: E402
+from pipeline.decoding.engine import Engine  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

@@ -4,7 +4,7 @@
     python benchmarks/label_agreement.py --prompts 64 --random-prompts 8     # a quick look
 
 Exhaustive labelling (label.mode=exhaustive, the reference: one prefill, a full speculative decode at every
-candidate, batch 1) against batched replay (pipeline/batched.py) on the same prompts, prompt by prompt: the same
+candidate, batch 1) against batched replay (pipeline/labelling/batched.py) on the same prompts, prompt by prompt: the same
 greedy continuation g, the same tau and steps at every candidate, the same label. Batched matrix products round
 differently from batch-1 ones, so a near-tie in an argmax can resolve differently; every disagreement is listed
 with its cause:
@@ -33,7 +33,7 @@ for p in (ROOT, ROOT / "tests"):
 
 import torch  # noqa: E402
 
-from pipeline.batched import (  # noqa: E402
+from pipeline.labelling.batched import (  # noqa: E402
     BatchedDraftReplay,
     batched_lockstep_walks,
     batched_replay_label_prompts,
@@ -41,8 +41,8 @@ from pipeline.batched import (  # noqa: E402
     length_sorted_chunks,
     target_features,
 )
-from pipeline.engine import Engine  # noqa: E402
-from pipeline.labeling import _labels, candidate_block_sizes  # noqa: E402
+from pipeline.decoding.engine import Engine  # noqa: E402
+from pipeline.labelling.labels import _labels, candidate_block_sizes  # noqa: E402
 
 
 def exhaustive(engine, ids, cands, max_new):
@@ -69,7 +69,7 @@ def draft_gap(engine, ids, cands, max_new, committed_ref, committed_got):
     """(b, step, gap): the first candidate and step whose committed counts differ, and the draft's top1 - top2
     logit gap at the first proposal row of that step's block that misses (batch-1 replay's draft, exhaustive's
     features)."""
-    from pipeline.replay import DraftReplay
+    from pipeline.labelling.replay import DraftReplay
 
     for b in cands:
         ref, got = committed_ref[b], committed_got[b]
@@ -155,9 +155,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="default: label.batch_size")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
+    from pipeline.runtime.config import ModelConfig, load_config
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
 
     cfg = load_config()
     bs = args.batch_size or cfg.label.batch_size

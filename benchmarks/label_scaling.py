@@ -4,7 +4,7 @@
     python benchmarks/label_scaling.py --prompts 64 --shard-size 16 label.batch_size=16
 
 Prepares the bundled prompts once (in-process), then runs `label` (stages.label.LabelStage through
-stages.common.execute: Ray actors, one torch thread each, workers.cpus_per_worker=1) twice into fresh folders, with
+stages.ray_executor.execute: Ray actors, one torch thread each, workers.cpus_per_worker=1) twice into fresh folders, with
 label.num_workers=1 and =2. Prints, for each:
 
 * labelling throughput: rows / the busiest actor's labelling seconds (the sum of its rows' prefill_seconds and
@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.config import load_config
-    from pipeline.driver import LocalExecutor, run_stage
-    from stages.common import execute
+    from pipeline.runtime.config import load_config
+    from pipeline.executor.driver import LocalExecutor, run_stage
+    from stages.ray_executor import execute
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 

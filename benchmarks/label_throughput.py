@@ -11,7 +11,7 @@ Methods, all labelling every candidate b in {B-k .. B+k} of every prompt:
               in lockstep: one draft forward per round for every candidate's current start (label.mode=replay)
   replay-seq  the same replay, one draft forward per start per candidate
   replay-all  the same replay, proposals for every start x every candidate up front (the issue's stretch)
-  batched     batched replay (pipeline/batched.py, label.batch_size): one batched greedy decode of the target
+  batched     batched replay (pipeline/labelling/batched.py, label.batch_size): one batched greedy decode of the target
               (features captured on the way), the draft's walks lockstep and batched across prompts
 
 Default methods: naive, replay, batched. The methods run round-robin (length-sorted batches of --batch-size
@@ -34,17 +34,17 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pipeline.config import ModelConfig, load_config  # noqa: E402
-from pipeline.engine import Engine  # noqa: E402
-from pipeline.labeling import (  # noqa: E402
+from pipeline.runtime.config import ModelConfig, load_config  # noqa: E402
+from pipeline.decoding.engine import Engine  # noqa: E402
+from pipeline.labelling.labels import (  # noqa: E402
     _labels,
     candidate_block_sizes,
     label_prompt,
     replay_label_prompt,
 )
-from pipeline.batched import batched_replay_label_prompts, length_sorted_chunks  # noqa: E402
-from pipeline.models import load_models  # noqa: E402
-from pipeline.sources import build_prompts  # noqa: E402
+from pipeline.labelling.batched import batched_replay_label_prompts, length_sorted_chunks  # noqa: E402
+from pipeline.decoding.models import load_models  # noqa: E402
+from pipeline.data.sources import build_prompts  # noqa: E402
 
 
 def naive(engine, ids, cands, max_new):

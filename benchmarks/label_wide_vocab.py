@@ -37,8 +37,8 @@ CHILD = """
 import json, sys, time, torch
 sys.path.insert(0, {root!r})
 torch.set_num_threads(1)
-from pipeline.config import load_config
-from pipeline.driver import LocalExecutor, run_stage
+from pipeline.runtime.config import load_config
+from pipeline.executor.driver import LocalExecutor, run_stage
 from stages.label import LabelStage
 cfg = load_config(json.loads(sys.argv[1]))
 t0 = time.perf_counter()
@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.config import load_config
-    from pipeline.driver import LocalExecutor, run_stage
-    from pipeline.validate import validate_dataset
+    from pipeline.runtime.config import load_config
+    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.data.validate import validate_dataset
     from stages.prepare import PrepareStage
 
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bp-wide-"))

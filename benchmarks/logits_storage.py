@@ -27,10 +27,10 @@ import pyarrow.parquet as pq  # noqa: E402
 def prefill_logits(n: int) -> np.ndarray:
     import torch
 
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.labeling import logits_to_numpy
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
+    from pipeline.runtime.config import ModelConfig, load_config
+    from pipeline.labelling.labels import logits_to_numpy
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
 
     m = load_models(ModelConfig(device="cpu", dtype="float32"))
     cfg = load_config()

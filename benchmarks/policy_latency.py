@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pipeline.policy import BlockSizeMLP, BlockSizePolicy  # noqa: E402
+from pipeline.policy.blocksize import BlockSizeMLP, BlockSizePolicy  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
@@ -54,10 +54,10 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048, help="the MLP's width (the paper's 2048)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.engine import Engine
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
+    from pipeline.runtime.config import ModelConfig, load_config
+    from pipeline.decoding.engine import Engine
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
 
     m = load_models(ModelConfig(device="cpu", dtype="float32"))
     engine = Engine(m.target, m.draft, m.stop_token_ids)

@@ -32,7 +32,7 @@ from pipeline.tiny.measure import DecodeResult, measure_pair  # noqa: E402
 def decode(target, draft, input_ids, block_size, max_new_tokens, stop_token_ids) -> DecodeResult:
     """One T=0 speculative generation at block size b -> output ids + tokens committed per step, with the
     product's engine (tested step for step against dflash's reference loop)."""
-    from pipeline.engine import Engine
+    from pipeline.decoding.engine import Engine
 
     engine = Engine(target, draft, stop_token_ids)
     res = engine.decode(engine.prefill(input_ids), block_size=block_size, max_new_tokens=max_new_tokens)
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from pipeline.bundled import load_bundled
+    from pipeline.data.bundled import load_bundled
 
     tok, target, draft = load_pair(args.assets)
     B = draft.block_size

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the working dir, when not pip-installed
 
-from pipeline.cli import main  # noqa: E402
+from stages.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["evaluate", *sys.argv[1:]]))

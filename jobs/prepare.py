@@ -12,7 +12,7 @@ from pathlib import Path
 # The job runs from the uploaded working dir; make the repository importable even where it is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.cli import main  # noqa: E402
+from stages.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["prepare", *sys.argv[1:]]))

@@ -13,8 +13,8 @@ from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pyarrow as pa
 
-from pipeline.driver import Plan, Rejects, Resources, ShardStage, Worker, tasks_from_shards
-from pipeline.storage import location
+from pipeline.executor.driver import Plan, Rejects, Resources, ShardStage, Worker, tasks_from_shards
+from pipeline.io.storage import location
 
 
 class DecodingStage(ShardStage):
@@ -36,8 +36,8 @@ class DecodingStage(ShardStage):
     def setup(self, worker: Worker) -> None:
         import torch
 
-        from pipeline.engine import Engine
-        from pipeline.models import load_models
+        from pipeline.decoding.engine import Engine
+        from pipeline.decoding.models import load_models
 
         if worker.threads:
             torch.set_num_threads(worker.threads)
@@ -60,7 +60,7 @@ class DecodingStage(ShardStage):
         """``(row, measure(row))`` for every prompt row of a shard; a row whose measure raises is rejected."""
         import torch
 
-        from pipeline.log import verbosity
+        from pipeline.runtime.log import verbosity
 
         t0 = time.perf_counter()
         verbose = self.cfg.progress and verbosity() >= 1

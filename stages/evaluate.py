@@ -2,14 +2,14 @@
 
 The held-out prompt sets (``evaluate.sources``) are built by prepare's own stage into ``eval/prompts/``; decoding
 actors (placed as in ``label``) turn each prompt shard into a result shard ``eval/part-NNNNN.parquet`` with one row
-per prompt x method (resumable shard by shard, through :mod:`pipeline.driver`); at the end the driver writes
+per prompt x method (resumable shard by shard, through :mod:`pipeline.executor.driver`); at the end the driver writes
 ``eval/results.parquet`` (every shard's rows) and the summary tables ``eval/summary.md`` / ``eval/summary.csv``.
 
 Methods per prompt, all from one shared prefill:
 * ``AR``: b = 1, plain autoregressive decoding (the speedup reference);
 * ``b=N``: each fixed block size (default: the paper's DFlash(4/8/16/32) scaled to B, i.e. {B/4, B/2, B, 2B},
   plus every candidate in C);
-* ``adaptive``: the product's adaptive decoder (pipeline.adaptive): the policy's choice from the prefill logits
+* ``adaptive``: the product's adaptive decoder (pipeline.decoding.adaptive): the policy's choice from the prefill logits
   (its latency is measured and recorded), whose fallback b is replaced by the per-step rule ``blockpilot tune`` chose
   on held-out label prompts when tune measured it faster there;
 * with a tuned rule, its two parts apart: ``policy`` (the policy alone, every step verifying the whole block) and
@@ -29,17 +29,18 @@ from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
 
-from pipeline.config import PipelineConfig
-from pipeline.dataset import RESULT_COLUMNS, RESULTS_SCHEMA, encode_metadata
-from pipeline.driver import Rejects, Worker, require_complete
-from pipeline.shards import MANIFEST, file_sha256, list_shards, write_parquet_atomic, write_text_atomic
-from pipeline.storage import location, read_table
+from pipeline.runtime.config import PipelineConfig
+from pipeline.data.schemas import RESULT_COLUMNS, RESULTS_SCHEMA
+from pipeline.io.shards import encode_metadata
+from pipeline.executor.driver import Rejects, Worker, require_complete
+from pipeline.io.shards import MANIFEST, file_sha256, list_shards, write_parquet_atomic, write_text_atomic
+from pipeline.io.storage import location, read_table
 
-from .common import execute
+from .ray_executor import execute
 from .decoding import DecodingStage
 from .prepare import PrepareStage
 
-from pipeline.step_rules import parse_rule
+from pipeline.policy.step_rules import parse_rule
 
 POLICY_FILES = ("policy.json", "model.safetensors")
 COST_PROFILE = "cost_profile.json"  # train copies the profile its policy was trained with beside the policy
@@ -101,7 +102,7 @@ class EvaluateStage(DecodingStage):
     def step_rule(self) -> Optional[Dict[str, Any]]:
         """The per-step rule `blockpilot tune` chose on held-out label prompts (tune/step_rule.json), when
         evaluate.per_step and the tune stage is complete; else None."""
-        from pipeline.shards import is_complete
+        from pipeline.io.shards import is_complete
 
         from .tune import RULE_FILE
 
@@ -111,8 +112,8 @@ class EvaluateStage(DecodingStage):
 
     @cached_property
     def rule_fallback(self):
-        from pipeline.adaptive import RuleFallback
-        from pipeline.policy import SPEED_SCORE
+        from pipeline.decoding.adaptive import RuleFallback
+        from pipeline.policy.blocksize import SPEED_SCORE
 
         # Only a speed policy has a fallback b for the rule to replace (a classifier always takes its argmax).
         if self.step_rule is None or self.policy_info.get("score") != SPEED_SCORE:
@@ -141,8 +142,8 @@ class EvaluateStage(DecodingStage):
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
-        from pipeline.adaptive import AdaptiveDecoder
-        from pipeline.policy import BlockSizePolicy
+        from pipeline.decoding.adaptive import AdaptiveDecoder
+        from pipeline.policy.blocksize import BlockSizePolicy
 
         super().setup(worker)
         policy = BlockSizePolicy.from_pretrained(self.policy_dir, device=self.models.device)
@@ -165,7 +166,7 @@ class EvaluateStage(DecodingStage):
         self.cost_profile = self._cost_profile()
 
     def _cost_profile(self):
-        from pipeline.cost import CostProfile
+        from pipeline.policy.cost import CostProfile
 
         path = self.policy_dir / COST_PROFILE
         return CostProfile.load(path) if path.exists() else None
@@ -173,7 +174,7 @@ class EvaluateStage(DecodingStage):
     def oracle_choice(self, fixed: Dict[int, Any]) -> int:
         """The per-prompt best candidate: the fastest by modelled time (steps x the profiled step cost; ties to the
         smaller b) when the policy came with a cost profile, else the longest acceptance (the paper's oracle)."""
-        from pipeline.labeling import argmax_smallest
+        from pipeline.labelling.labels import argmax_smallest
 
         cands = self.candidates
         if self.cost_profile is None:
@@ -182,7 +183,7 @@ class EvaluateStage(DecodingStage):
 
     def _modelled(self, b: int, res) -> Optional[float]:
         """Modelled decode seconds: per step, the draft's pass over the block and the verify over what was sent
-        (pipeline.cost.CostProfile.step_seconds); a plain step at b costs cost(b)."""
+        (pipeline.policy.cost.CostProfile.step_seconds); a plain step at b costs cost(b)."""
         if self.cost_profile is None:
             return None
         if res.step_rule is None:
@@ -205,7 +206,7 @@ class EvaluateStage(DecodingStage):
         independent loop (so a bug shared by all block sizes of the engine, b = 1 included, still shows)."""
         if self.cfg.decode.temperature > 0:
             return ar.output_ids
-        from pipeline.engine import greedy_reference
+        from pipeline.decoding.engine import greedy_reference
 
         return greedy_reference(self.models.target, ids, self.cfg.decode.max_new_tokens, self.engine.stop_token_ids)
 

@@ -2,7 +2,7 @@
 
 Shards, not Ray Data: each prompt shard ``prompts/part-NNNNN.parquet`` becomes exactly one label shard
 ``labels/part-NNNNN.parquet`` written atomically by the actor that labelled it. A shard is the unit of work, of
-retry and of resume (datatrove style, through :mod:`pipeline.driver`): a rerun re-labels only shards whose output
+retry and of resume (datatrove style, through :mod:`pipeline.executor.driver`): a rerun re-labels only shards whose output
 is missing or invalid, so a kill at any point loses at most the shards in flight and never duplicates a row. Ray
 Data's writer names files itself and its checkpointing is row-based, which gives neither guarantee for
 shard-aligned outputs.
@@ -22,14 +22,15 @@ from typing import Any, Dict, List
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import ConfigError, PipelineConfig
-from pipeline.dataset import LABELS_SCHEMA_VERSION, encode_metadata, labels_card, labels_schema
-from pipeline.driver import Rejects, Worker
-from pipeline.log import get as log
-from pipeline.shards import MANIFEST, file_sha256
-from pipeline.storage import location, parquet_file, read_table
+from pipeline.runtime.config import ConfigError, PipelineConfig
+from pipeline.data.schemas import LABELS_SCHEMA_VERSION, labels_card, labels_schema
+from pipeline.io.shards import encode_metadata
+from pipeline.executor.driver import Rejects, Worker
+from pipeline.runtime.log import get as log
+from pipeline.io.shards import MANIFEST, file_sha256
+from pipeline.io.storage import location, parquet_file, read_table
 
-from .common import execute
+from .ray_executor import execute
 from .decoding import DecodingStage
 
 SUMMARY_COLUMNS = ["candidates", "tau", "label_block_size", "label_speedup_block_size"]
@@ -43,7 +44,7 @@ def trained_block_size(cfg: PipelineConfig) -> int:
         return int(cfg.label.block_size)
     from dflash.model import _draft_value
 
-    from pipeline.models import draft_config
+    from pipeline.decoding.models import draft_config
 
     return int(_draft_value(draft_config(cfg.model), "block_size", 16))
 
@@ -54,8 +55,8 @@ def resolve_mode(cfg: PipelineConfig) -> str:
     model fails here."""
     if cfg.label.mode == "exhaustive" or (cfg.label.mode == "auto" and cfg.decode.temperature > 0):
         return "exhaustive"
-    from pipeline.models import draft_config
-    from pipeline.replay import replay_unsupported_config
+    from pipeline.decoding.models import draft_config
+    from pipeline.labelling.replay import replay_unsupported_config
 
     try:
         why = replay_unsupported_config(draft_config(cfg.model))
@@ -91,13 +92,13 @@ class LabelStage(DecodingStage):
 
     @cached_property
     def candidates(self) -> List[int]:
-        from pipeline.labeling import candidate_block_sizes
+        from pipeline.labelling.labels import candidate_block_sizes
 
         return candidate_block_sizes(self.block_size, self.cfg.label.k)
 
     @cached_property
     def revisions(self) -> Dict[str, str]:
-        from pipeline.models import model_revision
+        from pipeline.decoding.models import model_revision
 
         m = self.cfg.model
         return {"target_revision": model_revision(m.target, m.target_revision),
@@ -124,10 +125,10 @@ class LabelStage(DecodingStage):
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
-        from pipeline.cost import profile_for
+        from pipeline.policy.cost import profile_for
 
         super().setup(worker)
-        # The cost model, once per worker on its own device and dtype (pipeline/cost.py): b in 1..2B, draft and
+        # The cost model, once per worker on its own device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and
         # verify timed apart; it goes into every shard's metadata and, at the end, into cost_profile.json.
         self.cost_profile = profile_for(self.engine, self.cfg, self.block_size, self.candidates,
                                         {**self.revisions, "worker": worker.identity})
@@ -151,7 +152,7 @@ class LabelStage(DecodingStage):
                 "worker": self.worker.identity}
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
-        from pipeline import labeling
+        from pipeline.labelling import labels as labeling
 
         label_fn = labeling.replay_label_prompt if self.mode == "replay" else labeling.label_prompt
         kw = self.decode_kwargs()
@@ -170,7 +171,7 @@ class LabelStage(DecodingStage):
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
         if self.label_batch_size > 1:
-            from pipeline.batched import ShardBatches, batched_replay_label_prompts
+            from pipeline.labelling.batched import ShardBatches, batched_replay_label_prompts
 
             batches = ShardBatches(
                 table.column("prompt_id").to_pylist(), table.column("input_ids").to_pylist(), self.label_batch_size,
@@ -232,8 +233,8 @@ class LabelStage(DecodingStage):
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
         """cost_profile.json beside the shards: the profile of the worker that labelled the most rows (every
         shard's own worker profile stays in its metadata, `blockpilot.cost_profile`)."""
-        from pipeline.cost import FILENAME, CostProfile
-        from pipeline.dataset import decode_metadata
+        from pipeline.policy.cost import FILENAME, CostProfile
+        from pipeline.io.shards import decode_metadata
 
         rows: Dict[str, int] = Counter()
         profiles: Dict[str, Dict[str, Any]] = {}
@@ -252,7 +253,7 @@ class LabelStage(DecodingStage):
                 "step_cost_ms": {b: round(chosen.cost(b) * 1e3, 3) for b in cands}}
 
     def card(self, manifest: Dict[str, Any]) -> str:
-        from pipeline.cost import FORMAT_DOC
+        from pipeline.policy.cost import FORMAT_DOC
 
         return labels_card("\n" + FORMAT_DOC)
 

@@ -1,11 +1,11 @@
 """prepare: prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids.
 
-Output folder ``<output_dir>/prompts/`` (the layout every stage shares is in :mod:`pipeline.driver`):
+Output folder ``<output_dir>/prompts/`` (the layout every stage shares is in :mod:`pipeline.executor.driver`):
 
-* ``part-00000.parquet`` ... : ``prepare.shard_size`` rows each, schema exactly ``pipeline.dataset.PROMPTS_SCHEMA``,
+* ``part-00000.parquet`` ... : ``prepare.shard_size`` rows each, schema exactly ``pipeline.data.schemas.PROMPTS_SCHEMA``,
   deterministic order (sources in config order, rows in source order);
 * ``rejects.jsonl``: one object per rejected row (``source``, ``source_row``, ``prompt_id`` where known, ``reason``,
-  ``detail``, ``file``), see :mod:`pipeline.sources` for the reasons;
+  ``detail``, ``file``), see :mod:`pipeline.data.sources` for the reasons;
 * ``manifest.json``: the driver's manifest plus duplicates, per-source counts, notes, tokenizer / target. It holds
   no timings, so an identical rerun writes an identical manifest (the label stage fingerprints it).
 
@@ -20,14 +20,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import pyarrow as pa
 
-from pipeline.config import PipelineConfig, SourceConfig
-from pipeline.dataset import PROMPTS_SCHEMA, PROMPTS_SCHEMA_VERSION, prompts_card
-from pipeline.storage import location
-from pipeline.driver import Plan, Rejects, ShardStage, numbered_tasks
-from pipeline.log import get as get_log
-from pipeline.sources import build_prompts, validate_sources
+from pipeline.runtime.config import PipelineConfig, SourceConfig
+from pipeline.data.schemas import PROMPTS_SCHEMA, PROMPTS_SCHEMA_VERSION, prompts_card
+from pipeline.io.storage import location
+from pipeline.executor.driver import Plan, Rejects, ShardStage, numbered_tasks
+from pipeline.runtime.log import get as get_log
+from pipeline.data.sources import build_prompts, validate_sources
 
-from .common import execute
+from .ray_executor import execute
 
 STAGE_DIR = "prompts"
 
@@ -59,7 +59,7 @@ class PrepareStage(ShardStage):
         validate_sources(self.sources, self.section)  # missing paths, bad templates: before anything is written
 
     def plan(self) -> Plan:
-        from pipeline.models import load_tokenizer
+        from pipeline.decoding.models import load_tokenizer
 
         p = self.cfg.prepare
         log = get_log(self.section).info if self.cfg.progress else None

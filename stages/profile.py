@@ -1,4 +1,4 @@
-"""profile: the cost model alone (pipeline/cost.py) -> ``cost_profile.json``, e.g. on a serving machine.
+"""profile: the cost model alone (pipeline/policy/cost.py) -> ``cost_profile.json``, e.g. on a serving machine.
 
 Seconds per decode step at every b in 1..2B (draft forward and target verify timed apart, at a few context
 lengths, warmed up and repeated until stable), the affine fit and the raw points. Train takes it as
@@ -10,17 +10,17 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-from pipeline.config import PipelineConfig
-from pipeline.log import get as log
-from pipeline.storage import location
+from pipeline.runtime.config import PipelineConfig
+from pipeline.runtime.log import get as log
+from pipeline.io.storage import location
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     import torch
 
-    from pipeline.cost import FILENAME, profile_for
-    from pipeline.engine import Engine
-    from pipeline.models import load_models, model_revision
+    from pipeline.policy.cost import FILENAME, profile_for
+    from pipeline.decoding.engine import Engine
+    from pipeline.decoding.models import load_models, model_revision
     from stages.label import trained_block_size
 
     t0 = time.monotonic()

@@ -13,11 +13,11 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from pipeline.config import PipelineConfig
-from pipeline.driver import StageFolder
-from pipeline.log import get as log
-from pipeline.shards import is_complete, list_shards, write_text_atomic
-from pipeline.storage import location, read_table, savefig
+from pipeline.runtime.config import PipelineConfig
+from pipeline.executor.driver import StageFolder
+from pipeline.runtime.log import get as log
+from pipeline.io.shards import is_complete, list_shards, write_text_atomic
+from pipeline.io.storage import location, read_table, savefig
 
 
 def _save(fig, path) -> None:
@@ -94,7 +94,7 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
     import polars as pl
     import torch
 
-    from pipeline.policy import BlockSizePolicy, is_val
+    from pipeline.policy.blocksize import BlockSizePolicy, is_val
 
     s = json.loads((train_dir / "summary.json").read_text())
     f = s["final"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict
 
-from pipeline.config import PipelineConfig
-from pipeline.log import get as log
+from pipeline.runtime.config import PipelineConfig
+from pipeline.runtime.log import get as log
 
 ORDER = ("prepare", "label", "train", "tune", "evaluate", "report")
 

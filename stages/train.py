@@ -17,17 +17,16 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from pipeline.config import PipelineConfig
-from pipeline.dataset import decode_metadata
-from pipeline.driver import StageFolder
-from pipeline.log import get as log
-from pipeline.log import ray_train_logging_config
-from pipeline.policy import split_of
-from pipeline.shards import MANIFEST, file_sha256, list_shards, write_jsonl_atomic
-from pipeline.storage import arrow_filesystem, is_remote, location, parquet_file, read_table, resolve, savefig
-from pipeline.validate import validate_dataset
+from pipeline.runtime.config import PipelineConfig
+from pipeline.io.shards import decode_metadata
+from pipeline.executor.driver import StageFolder
+from pipeline.runtime.log import get as log
+from pipeline.policy.blocksize import split_of
+from pipeline.io.shards import MANIFEST, file_sha256, list_shards, write_jsonl_atomic
+from pipeline.io.storage import arrow_filesystem, is_remote, location, parquet_file, read_table, resolve, savefig
+from pipeline.data.validate import validate_dataset
 
-from .common import init_ray
+from .ray_executor import init_ray, ray_train_logging_config
 
 RUN_NAME = "ray"
 Batch = Tuple[np.ndarray, np.ndarray, np.ndarray]  # logits [n, V], label index [n], tau [n, |C|]
@@ -98,7 +97,7 @@ def train_step(model, opt, batch: Batch, t: Dict[str, Any], speed: Optional[Dict
     predicted log speed ratio over the fallback (tau / cost, scaled by ``speed["scale"]``), not only the argmax."""
     import torch
 
-    from pipeline.policy import speed_targets, transform_inputs
+    from pipeline.policy.blocksize import speed_targets, transform_inputs
 
     x, y, tau = batch
     out = model(transform_inputs(torch.from_numpy(x), t["input_transform"]))
@@ -130,7 +129,7 @@ def validate(model, data: SplitData, epoch: int, config: Dict[str, Any]) -> Dict
     """The policy's choices on the val split against the baselines (``val_*`` metrics); empty without val rows."""
     import torch
 
-    from pipeline.policy import choice_metrics, transform_inputs
+    from pipeline.policy.blocksize import choice_metrics, transform_inputs
 
     model.eval()
     scores, ys, taus = [], [], []
@@ -144,7 +143,7 @@ def validate(model, data: SplitData, epoch: int, config: Dict[str, Any]) -> Dict
     scores, tau = torch.cat(scores), np.concatenate(taus)
     vm = choice_metrics(scores, np.concatenate(ys), tau, config["fixed_index"], config["trained_index"])
     if config.get("costs") is not None:  # modelled speed of the raw argmax (no fallback) over the best fixed b
-        from pipeline.policy import speed_gain
+        from pipeline.policy.blocksize import speed_gain
 
         costs, rows = np.asarray(config["costs"]), len(tau)
         fixed = np.full(rows, config["fixed_index"])
@@ -251,7 +250,7 @@ def _quiet_ray_train_reports() -> None:
     on the worker, unless -v."""
     import logging
 
-    from pipeline.log import verbosity
+    from pipeline.runtime.log import verbosity
 
     if verbosity() < 1:
         from ray.train.v2._internal.execution import context
@@ -264,7 +263,7 @@ def train_loop(config: Dict[str, Any]) -> None:
     import ray.train
     import torch
 
-    from pipeline.policy import BlockSizeMLP
+    from pipeline.policy.blocksize import BlockSizeMLP
 
     _quiet_ray_train_reports()
     t = config["train"]
@@ -308,7 +307,7 @@ def _split_tables(shards: List[Path], val_fraction: float, label_col: str, candi
 def _load_cost_profile(cfg: PipelineConfig, labels_dir):
     """train.cost_profile, else the labelling profile beside the shards; (None, None) when neither exists and the
     objective does not need one."""
-    from pipeline.cost import FILENAME, CostProfile
+    from pipeline.policy.cost import FILENAME, CostProfile
 
     path = location(cfg.train.cost_profile) if cfg.train.cost_profile else labels_dir / FILENAME
     if not path.is_file():
@@ -323,7 +322,7 @@ def _load_cost_profile(cfg: PipelineConfig, labels_dir):
 def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
     """What the policy learns from: the label set (its manifest) and the train settings that shape the model."""
     fp = {"labels_manifest_sha256": file_sha256(labels_dir / MANIFEST), "train": vars(cfg.train).copy()}
-    from pipeline.cost import FILENAME
+    from pipeline.policy.cost import FILENAME
 
     profile = location(cfg.train.cost_profile) if cfg.train.cost_profile else labels_dir / FILENAME
     fp["cost_profile_sha256"] = file_sha256(profile) if profile.is_file() else None
@@ -375,7 +374,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     trained_index = candidates.index(B) if B in candidates else len(candidates) // 2
     speed = None
     if cfg.train.objective == "speed":
-        from pipeline.policy import speed_targets
+        from pipeline.policy.blocksize import speed_targets
 
         target = speed_targets(tau[train_mask].astype(np.float64), np.asarray(costs), fixed_index)
         speed = {"costs": costs, "fallback_index": fixed_index, "scale": float(max(target.std(), 1e-4))}
@@ -459,7 +458,7 @@ def _export(cfg, result, train_dir: Path, candidates, vocab, B, fp, fixed_index,
             split, tau, y_tau, costs, speed, profile, profile_path):
     import torch
 
-    from pipeline.policy import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy
+    from pipeline.policy.blocksize import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy
 
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint (error: {result.error})")
@@ -517,7 +516,7 @@ def _held_out(model, t, shards, split, tau, costs, fallback_index: int, scale: f
     import pyarrow as pa
     import torch
 
-    from pipeline.policy import calibrate_margin, speed_gain, speed_targets, transform_inputs
+    from pipeline.policy.blocksize import calibrate_margin, speed_gain, speed_targets, transform_inputs
 
     tab = pa.concat_tables([read_table(p, columns=["logits"]) for p in shards])
     x = np.stack(tab.column("logits").to_numpy(zero_copy_only=False)).astype(np.float32)

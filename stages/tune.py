@@ -1,4 +1,4 @@
-"""tune: choose the per-step verify rule (pipeline/step_rules.py) on the label set's held-out prompts.
+"""tune: choose the per-step verify rule (pipeline/policy/step_rules.py) on the label set's held-out prompts.
 
 Input: the label prompts of the val split (``prompts/``, the hash split train uses: the MLP never trained on them),
 the first ``tune.limit``; the evaluation sets are never read. Every rule of ``tune.rules`` at every b_max of
@@ -20,13 +20,14 @@ from typing import Any, Dict, List
 
 import pyarrow as pa
 
-from pipeline.config import PipelineConfig
-from pipeline.dataset import TUNE_COLUMNS, TUNE_SCHEMA, encode_metadata
-from pipeline.driver import Plan, Rejects, ShardTask, require_complete
-from pipeline.shards import MANIFEST, file_sha256, list_shards, shard_name, write_json_atomic
-from pipeline.storage import location, read_table
+from pipeline.runtime.config import PipelineConfig
+from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
+from pipeline.io.shards import encode_metadata
+from pipeline.executor.driver import Plan, Rejects, ShardTask, require_complete
+from pipeline.io.shards import MANIFEST, file_sha256, list_shards, shard_name, write_json_atomic
+from pipeline.io.storage import location, read_table
 
-from .common import execute
+from .ray_executor import execute
 from .decoding import DecodingStage
 
 RULE_FILE = "step_rule.json"
@@ -87,7 +88,7 @@ class TuneStage(DecodingStage):
 
     def plan(self) -> Plan:
         """The val split's prompts (prompt-id hash, as train splits), the first tune.limit, in shards of 8."""
-        from pipeline.policy import is_val
+        from pipeline.policy.blocksize import is_val
 
         frac, keep = self.cfg.train.val_fraction, []
         for p in list_shards(self.prompts):
@@ -103,13 +104,13 @@ class TuneStage(DecodingStage):
 
     # -- every actor --
     def setup(self, worker) -> None:
-        from pipeline.cost import CostProfile
+        from pipeline.policy.cost import CostProfile
 
         super().setup(worker)
         self.profile = CostProfile.load(self.policy_dir / COST_PROFILE)
 
     def process_shard(self, input: List[Dict[str, Any]], rejects: Rejects) -> pa.Table:
-        from pipeline.step_rules import parse_rule
+        from pipeline.policy.step_rules import parse_rule
 
         kw = self.decode_kwargs()
         table = pa.Table.from_pylist(input)

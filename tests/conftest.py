@@ -50,7 +50,7 @@ def ray_session():
 
 def blockpilot(*args, timeout=600, **kw):
     """Run the CLI in a fresh process (its own local Ray: ray.address=local)."""
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "stages.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, **kw)
 
 
@@ -60,8 +60,8 @@ def real_labels(tmp_path_factory):
     the stage driver's in-process executor. Read-only: tests copy it before damaging it."""
     import torch
 
-    from pipeline.config import load_config
-    from pipeline.driver import LocalExecutor, run_stage
+    from pipeline.runtime.config import load_config
+    from pipeline.executor.driver import LocalExecutor, run_stage
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 

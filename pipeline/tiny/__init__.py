@@ -2,11 +2,10 @@
 
 The committed artefacts live in ``pipeline/assets/tiny-target`` (Qwen3ForCausalLM + tokenizer)
 and ``pipeline/assets/tiny-draft`` (dflash.model.DFlashDraftModel, block size 8).
+A tool that stands alone: it imports no other pipeline sub-package, only transformers, dflash and tokenizers.
 """
 
-from pathlib import Path
-
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+from pipeline import ASSETS as ASSETS_DIR
 TINY_TARGET_DIR = ASSETS_DIR / "tiny-target"
 TINY_DRAFT_DIR = ASSETS_DIR / "tiny-draft"
 

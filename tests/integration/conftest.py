@@ -227,8 +227,8 @@ class Run:
 
 
 def blockpilot(stage: str, *overrides: str, timeout: float = 300, env: Optional[Dict[str, str]] = None) -> Run:
-    """``python -m pipeline.cli STAGE ...`` run to completion (its own local Ray); leftovers are reaped."""
-    run = Run([PYTHON, "-m", "pipeline.cli", stage, *overrides], env)
+    """``python -m stages.cli STAGE ...`` run to completion (its own local Ray); leftovers are reaped."""
+    run = Run([PYTHON, "-m", "stages.cli", stage, *overrides], env)
     try:
         run.wait(timeout)
     finally:

@@ -1,6 +1,6 @@
 """Fault injection: kill the pipeline at its worst moments, rerun, and check that nothing is lost or duplicated.
 
-Every run is the real CLI (``python -m pipeline.cli STAGE ... ray.address=local``) in its own session with its own
+Every run is the real CLI (``python -m stages.cli STAGE ... ray.address=local``) in its own session with its own
 local Ray; a fault is a SIGKILL (of the driver's whole process group, or of one label actor), and every test checks
 that no Ray process of a killed run outlives it. Faults covered: the label driver killed mid-run, one label actor
 killed mid-shard, the train run killed mid-way, an output folder that cannot be written. (A truncated label shard is
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import FAST
-from pipeline.shards import is_complete, list_shards
+from pipeline.io.shards import is_complete, list_shards
 
 from .conftest import BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, marked_pids, reap
 
@@ -101,7 +101,7 @@ def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path):
     out = fresh(prepared, tmp_path)
     labels = out / "labels"
     # One actor: shards finish one after another, so the kill lands with work done and work left.
-    run = Run([PYTHON, "-m", "pipeline.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=1"])
+    run = Run([PYTHON, "-m", "stages.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=1"])
     run.wait_for(lambda: list_shards(labels), 240, "the first label shard")
     run.kill(signal.SIGKILL)  # the driver's whole process group: driver, GCS, raylet, ...
     assert_no_ray_left(run)
@@ -121,7 +121,7 @@ def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path):
 def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path):
     out = fresh(prepared, tmp_path)
     labels = out / "labels"
-    run = Run([PYTHON, "-m", "pipeline.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=2",
+    run = Run([PYTHON, "-m", "stages.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=2",
                "progress=true"])
     worker_line = re.compile(r"^\[label\] worker (\S+) pid=(\d+) ")
 
@@ -157,7 +157,7 @@ def test_train_killed_mid_way_resumes_from_its_checkpoint(reference, tmp_path):
     def lines():
         return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
 
-    run = Run([PYTHON, "-m", "pipeline.cli", *args], FAST_TRAIN_POLL)
+    run = Run([PYTHON, "-m", "stages.cli", *args], FAST_TRAIN_POLL)
     run.wait_for(lines, 300, "3 lines in train/metrics.jsonl")
     run.kill(signal.SIGKILL)
     assert_no_ray_left(run)
@@ -194,7 +194,7 @@ def test_unwritable_output_folder_fails_fast_and_clearly(stage, prepared, refere
     marker = uuid.uuid4().hex
     t0 = time.monotonic()
     try:
-        r = subprocess.run([PYTHON, "-m", "pipeline.cli", stage, f"output_dir={out}", *SMALL], cwd=REPO,
+        r = subprocess.run([PYTHON, "-m", "stages.cli", stage, f"output_dir={out}", *SMALL], cwd=REPO,
                            capture_output=True, text=True, timeout=120, start_new_session=True,
                            env=base_env(marker))
     finally:

@@ -67,8 +67,8 @@ def installed(tmp_path_factory):
 def test_wheel_holds_the_config_and_the_assets(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "pipeline/conf/default.yaml" in names
-    published = sorted(n for n in names if n.startswith("pipeline/conf/published/") and n.endswith(".yaml"))
+    assert "conf/default.yaml" in names
+    published = sorted(n for n in names if n.startswith("conf/published/") and n.endswith(".yaml"))
     assert len(published) == 4, published
     assets = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "pipeline" / "assets").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
@@ -91,13 +91,13 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
                  cwd=tmp_path)
     assert str(venv) in where and str(REPO) not in where, where
 
-    checkout = _run([sys.executable, "-m", "pipeline.cli", "run", "--print-config"], cwd=REPO)
+    checkout = _run([sys.executable, "-m", "stages.cli", "run", "--print-config"], cwd=REPO)
     got = _run([bp, "run", "--print-config"], cwd=tmp_path)
     assert got == checkout
     # default.yaml's values, not the schema defaults (prepare.limit None, evaluate.limit None, shard_size 256).
     assert "  limit: 1024\n" in got and "  limit: 32\n" in got and "  shard_size: 64\n" in got
 
-    published_checkout = _run([sys.executable, "-m", "pipeline.cli", "prepare", "-c", "published:qwen3-8b",
+    published_checkout = _run([sys.executable, "-m", "stages.cli", "prepare", "-c", "published:qwen3-8b",
                                "--print-config"], cwd=REPO)
     published = _run([bp, "prepare", "-c", "published:qwen3-8b", "--print-config"], cwd=tmp_path)
     assert published == published_checkout

@@ -11,8 +11,8 @@ import signal
 
 import pyarrow as pa
 
-from pipeline.shards import is_complete, list_shards
-from pipeline.storage import location, read_table
+from pipeline.io.shards import is_complete, list_shards
+from pipeline.io.storage import location, read_table
 
 from .conftest import PYTHON, Run, blockpilot
 from .test_faults import FAST_TRAIN_POLL, SMALL, assert_no_ray_left, validate
@@ -48,7 +48,7 @@ def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
 
     # label: the driver's whole process group SIGKILLed once a shard is in the bucket, then a rerun.
     args = ["label", f"output_dir={out}", *SMALL, "label.num_workers=1"]
-    run = Run([PYTHON, "-m", "pipeline.cli", *args])
+    run = Run([PYTHON, "-m", "stages.cli", *args])
     run.wait_for(lambda: list_shards(labels), 240, "the first label shard in the bucket")
     run.kill(signal.SIGKILL)
     assert_no_ray_left(run)
@@ -73,7 +73,7 @@ def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
     # train: killed after 3 epochs, resumed from the checkpoint Ray Train stored in the bucket.
     targs = ["train", f"output_dir={out}", *SMALL, "train.epochs=10", "train.hidden=32", "progress=true"]
     metrics = train / "metrics.jsonl"
-    run = Run([PYTHON, "-m", "pipeline.cli", *targs], FAST_TRAIN_POLL)
+    run = Run([PYTHON, "-m", "stages.cli", *targs], FAST_TRAIN_POLL)
     run.wait_for(lambda: len(lines_of(metrics)) >= 3, 300, "3 lines in train/metrics.jsonl in the bucket")
     run.kill(signal.SIGKILL)
     assert_no_ray_left(run)
@@ -85,7 +85,7 @@ def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
     assert [h["epoch"] for h in history] == list(range(10))  # each epoch exactly once
     assert is_complete(train) and {"policy/policy.json", "policy/model.safetensors"} <= set(etags(train))
 
-    from pipeline.policy import BlockSizePolicy
+    from pipeline.policy.blocksize import BlockSizePolicy
 
     policy = BlockSizePolicy.from_pretrained(train / "policy")  # loads straight from the bucket
     assert policy.candidates == json.loads((train / "summary.json").read_text())["candidates"]

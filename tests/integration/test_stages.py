@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from conftest import FAST
-from pipeline.config import load_config
-from pipeline.dataset import PROMPTS_SCHEMA, decode_metadata, labels_schema
-from pipeline.driver import mark_complete
-from pipeline.shards import list_shards, write_json_atomic, write_parquet_atomic
-from pipeline.validate import validate_dataset
+from pipeline.runtime.config import load_config
+from pipeline.data.schemas import PROMPTS_SCHEMA, labels_schema
+from pipeline.io.shards import decode_metadata
+from pipeline.executor.driver import mark_complete
+from pipeline.io.shards import list_shards, write_json_atomic, write_parquet_atomic
+from pipeline.data.validate import validate_dataset
 
 
 def cfg_for(out, *extra):
@@ -79,9 +80,9 @@ def test_label_dataset_contract(run_dir):
 def test_label_rows_generate_what_plain_greedy_decoding_generates(run_dir):
     """new_tokens per candidate against an independent reference: the target's own greedy loop (no draft, no
     engine) on the same prompt ids must generate exactly that many tokens."""
-    from pipeline.config import ModelConfig
-    from pipeline.engine import greedy_reference
-    from pipeline.models import load_models
+    from pipeline.runtime.config import ModelConfig
+    from pipeline.decoding.engine import greedy_reference
+    from pipeline.decoding.models import load_models
 
     out = run_dir[0]
     models = load_models(ModelConfig())
@@ -152,8 +153,8 @@ def test_exhaustive_mode_labels_like_replay(run_dir, tmp_path, ray_session):
 
 
 def test_a_failing_prompt_is_rejected_and_the_shard_completes(tmp_path, ray_session):
-    from pipeline.sources import build_prompts
-    from pipeline.models import load_tokenizer
+    from pipeline.data.sources import build_prompts
+    from pipeline.decoding.models import load_tokenizer
     from stages import label
 
     cfg = cfg_for(tmp_path)
@@ -174,7 +175,7 @@ def test_a_failing_prompt_is_rejected_and_the_shard_completes(tmp_path, ray_sess
 # ---- train ------------------------------------------------------------------------------------------------------
 
 def test_train_outputs_and_policy_round_trip(run_dir):
-    from pipeline.policy import BlockSizePolicy
+    from pipeline.policy.blocksize import BlockSizePolicy
 
     out, summaries = run_dir
     train = out / "train"
@@ -193,7 +194,7 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     x = torch.from_numpy(np.stack(pq.read_table(out / "labels" / "part-00000.parquet", columns=["logits"])
                                   .column("logits").to_numpy(zero_copy_only=False)).astype(np.float32))
     # The export is the last checkpoint's model: same weights, and the same choices on real label rows.
-    from pipeline.policy import BlockSizeMLP
+    from pipeline.policy.blocksize import BlockSizeMLP
 
     states = [torch.load(p, weights_only=True) for p in (train / "ray").glob("checkpoint_*/state.pt")]
     state = max(states, key=lambda st: st["epoch"])
@@ -279,7 +280,7 @@ def test_evaluate_results_and_summary(run_dir):
     assert all(f"| {m} |" in md for m in methods)
     # Adaptive against the train-chosen fixed b and the hindsight-fastest one, with intervals that hold the estimate.
     comps = s["comparisons"]
-    from pipeline.policy import BlockSizePolicy
+    from pipeline.policy.blocksize import BlockSizePolicy
 
     chosen = BlockSizePolicy.from_pretrained(out / "train" / "policy").info["best_fixed_block_size"]
     assert [c["against"] for c in comps] == [f"b={chosen}", max(
@@ -299,7 +300,7 @@ def test_evaluate_results_and_summary(run_dir):
 def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(run_dir):
     import polars as pl
 
-    from pipeline.policy import is_val
+    from pipeline.policy.blocksize import is_val
 
     out, summaries = run_dir
     t = summaries["tune"]
@@ -317,7 +318,7 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     best = min((r for r in choice["table"] if r["rule"]), key=lambda r: r["modelled_time_per_token"])
     assert best["rule"] == choice["rule"]  # the least modelled time per token wins
     # The recorded modelled seconds are the cost profile's, step by step.
-    from pipeline.cost import CostProfile
+    from pipeline.policy.cost import CostProfile
 
     profile = CostProfile.load(out / "train" / "policy" / "cost_profile.json")
     row = tuned.filter(pl.col("method") == "threshold:0.05@12").row(0, named=True)

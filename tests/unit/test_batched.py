@@ -1,4 +1,4 @@
-"""Batched replay labelling (pipeline/batched.py) against batch-1 replay, prompt by prompt (CPU, fp32, 1 thread).
+"""Batched replay labelling (pipeline/labelling/batched.py) against batch-1 replay, prompt by prompt (CPU, fp32, 1 thread).
 
 Real tiny transformers models throughout: random-weight pairs (tests/random_pair.py) for the draft variants, stop
 tokens and budgets, the bundled tiny pair for real text, and a random pair at Qwen3's vocabulary (V = 151,936)
@@ -12,14 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.batched import (
+from pipeline.labelling.batched import (
     ShardBatches,
     batched_replay_label_prompts,
     greedy_continuations,
     length_sorted_chunks,
 )
-from pipeline.engine import Engine, greedy_reference
-from pipeline.labeling import candidate_block_sizes, replay_label_prompt
+from pipeline.decoding.engine import Engine, greedy_reference
+from pipeline.labelling.labels import candidate_block_sizes, replay_label_prompt
 from random_pair import EOS_ID, QWEN3_VOCAB, make_pair, prompt, save_wide_pair
 
 MAX_NEW = 20
@@ -77,9 +77,9 @@ def test_batched_equals_batch1_replay_on_random_pairs(variant):
 def test_batched_equals_batch1_replay_on_the_tiny_pair():
     """The shipped pair on real prompts (64-256 tokens, so real padding): with a newline stop token most prompts
     stop early, without it they run to max_new_tokens."""
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
+    from pipeline.runtime.config import ModelConfig, load_config
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
 
     m = load_models(ModelConfig(dtype="float32", device="cpu"))
     rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=6)
@@ -174,10 +174,10 @@ def test_shard_batches_retry_a_failing_batch_prompt_by_prompt():
 # ---- a real vocabulary size: V = 151,936 through the label stage and the dataset code ------------------------
 
 def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
-    from pipeline.config import load_config
-    from pipeline.dataset import decode_metadata
-    from pipeline.driver import LocalExecutor, run_stage
-    from pipeline.validate import validate_dataset
+    from pipeline.runtime.config import load_config
+    from pipeline.io.shards import decode_metadata
+    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.data.validate import validate_dataset
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 
@@ -218,13 +218,13 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
 @pytest.mark.parametrize("group", [8, 2])
 def test_features_captured_during_generation_equal_a_teacher_forced_pass(group, monkeypatch):
     """The context features and prefill logits read from the greedy decode's own forwards equal one teacher-forced
-    forward over prompt + g (pipeline.batched.target_features), position by position (float tolerance); with
+    forward over prompt + g (pipeline.labelling.batched.target_features), position by position (float tolerance); with
     prefill groups of 2, the prompts (not in length order) are prefilled in several groups whose keys, values and
     features are placed into the batch's rows: g is still each prompt's own greedy continuation."""
-    import pipeline.batched
-    from pipeline.batched import target_features
+    import pipeline.labelling.batched
+    from pipeline.labelling.batched import target_features
 
-    monkeypatch.setattr(pipeline.batched, "PREFILL_GROUP", group)
+    monkeypatch.setattr(pipeline.labelling.batched, "PREFILL_GROUP", group)
     target, draft = make_pair(3, block_size=4)
     prompts = [prompt(i, length=length).tolist()[0] for i, length in enumerate((2, 11, 6, 1, 17, 6, 9))]
     for p, g in zip(prompts, greedy_continuations(target, prompts, MAX_NEW, [EOS_ID])):
@@ -244,12 +244,12 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
     like batch-1 replay labels them, and the label set validates."""
     import pyarrow as pa
 
-    from pipeline.config import load_config
-    from pipeline.dataset import PROMPTS_SCHEMA
-    from pipeline.driver import LocalExecutor, mark_complete, run_stage
-    from pipeline.models import load_tokenizer
-    from pipeline.sources import build_prompts
-    from pipeline.validate import validate_dataset
+    from pipeline.runtime.config import load_config
+    from pipeline.data.schemas import PROMPTS_SCHEMA
+    from pipeline.executor.driver import LocalExecutor, mark_complete, run_stage
+    from pipeline.decoding.models import load_tokenizer
+    from pipeline.data.sources import build_prompts
+    from pipeline.data.validate import validate_dataset
     from stages.label import LabelStage
 
     def cfg_for(out, *extra):
@@ -283,10 +283,10 @@ KINDS = [(False, None), (True, None), (False, 3), (True, 3)]
 
 def test_batched_layout_is_the_batch1_layout_per_prompt():
     """_batched_layout (one set of tensor operations for every prompt) puts in batch row r exactly what
-    pipeline.replay._block_layout gives for prompt r's blocks alone, for every attention kind; its padding rows
+    pipeline.labelling.replay._block_layout gives for prompt r's blocks alone, for every attention kind; its padding rows
     see only themselves; positions, local indices, block anchors and the real rows' flat indices line up."""
-    from pipeline.batched import _batched_layout
-    from pipeline.replay import _block_layout
+    from pipeline.labelling.batched import _batched_layout
+    from pipeline.labelling.replay import _block_layout
 
     rows = [[(4, 10, 4), (6, 7, 6), (2, 12, 2)], [(5, 3, 5)], [(3, 15, 2), (7, 15, 7)]]
     ctx_len = max(s for blocks in rows for _, s, _ in blocks)
@@ -317,8 +317,8 @@ def test_deferred_draft_rows_equal_the_full_forward_and_keys_are_restored():
     """_draft_forward_deferred's rows (each layer's MLP on real rows only, the last layer's output projection and
     MLP only on the rows read) equal the full forward's rows, and the in-place key buffers (_BufferKeys) hold the
     context again after every forward: a second forward of other blocks matches a fresh runner's."""
-    from pipeline.batched import BatchedDraftReplay, _batched_layout, _draft_forward_deferred
-    from pipeline.replay import _draft_forward, _Keys
+    from pipeline.labelling.batched import BatchedDraftReplay, _batched_layout, _draft_forward_deferred
+    from pipeline.labelling.replay import _draft_forward, _Keys
     from dflash.model import _raw_input_embeddings
 
     target, draft = make_pair(4, layer_types=["full_attention", "full_attention"])

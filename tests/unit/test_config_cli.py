@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import REPO_ROOT, ConfigError, config_sha256, load_config, write_resolved
+from stages.cli import main
+from pipeline.runtime.config import REPO_ROOT, ConfigError, config_sha256, load_config, write_resolved
 
 
 def test_merge_order_schema_default_file_overrides(tmp_path):
@@ -16,7 +16,7 @@ def test_merge_order_schema_default_file_overrides(tmp_path):
     assert cfg.decode.max_new_tokens == 64  # file over default.yaml (128)
     assert cfg.label.k == 3  # override over file
     assert cfg.output_dir == "/tmp/somewhere"
-    assert cfg.prepare.shard_size == 64  # pipeline/conf/default.yaml over the schema default (256)
+    assert cfg.prepare.shard_size == 64  # conf/default.yaml over the schema default (256)
     assert cfg.train.lr == 1e-5  # schema default
 
 
@@ -59,11 +59,11 @@ def test_cli_fails_fast_naming_the_key(capsys):
 
 
 def test_cli_help_lists_every_stage():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for stage in ("prepare", "label", "train", "evaluate", "report", "run", "validate"):
         assert f"    {stage}" in out
-    stage_help = subprocess.run([sys.executable, "-m", "pipeline.cli", "label", "--help"], capture_output=True,
+    stage_help = subprocess.run([sys.executable, "-m", "stages.cli", "label", "--help"], capture_output=True,
                                 text=True, check=True).stdout
     assert "max_new_tokens: 128" in stage_help and "mode: auto" in stage_help
 
@@ -74,8 +74,8 @@ def _sections_read(module: str, seen=None) -> set:
     import re
 
     seen = set() if seen is None else seen
-    # common.py reads `ray` for the actor pool only, which runs only stages that declare actors (and list `ray`).
-    if module in seen or module == "common":
+    # ray_executor.py reads `ray` for the actor pool only, which runs only stages that declare actors (and list `ray`).
+    if module in seen or module == "ray_executor":
         return set()
     seen.add(module)
     src = (REPO_ROOT / "stages" / f"{module}.py").read_text()
@@ -89,13 +89,13 @@ def _sections_read(module: str, seen=None) -> set:
 def test_stage_help_lists_every_key_the_stage_reads(stage):
     from omegaconf import OmegaConf
 
-    from pipeline.config import PipelineConfig
+    from pipeline.runtime.config import PipelineConfig
     from stages import STAGES
 
     sections = {k for k, v in OmegaConf.structured(PipelineConfig).items() if OmegaConf.is_dict(v)}
     read = _sections_read(stage) & sections
     assert read <= set(STAGES[stage].sections), f"{stage} reads {sorted(read - set(STAGES[stage].sections))}"
-    help_text = subprocess.run([sys.executable, "-m", "pipeline.cli", stage, "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "stages.cli", stage, "--help"], capture_output=True,
                                text=True, check=True, cwd=REPO_ROOT).stdout
     for section in read:
         for key in OmegaConf.structured(PipelineConfig)[section]:
@@ -104,7 +104,7 @@ def test_stage_help_lists_every_key_the_stage_reads(stage):
 
 
 def test_evaluate_help_lists_the_prepare_keys_its_prompts_depend_on():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "evaluate", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "evaluate", "--help"], capture_output=True,
                          text=True, check=True, cwd=REPO_ROOT).stdout
     for key in ("max_prompt_tokens:", "apply_chat_template:", "shard_size:", "num_workers:", "cpus_per_worker:"):
         assert key in out, key

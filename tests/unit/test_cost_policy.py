@@ -1,4 +1,4 @@
-"""The cost model (pipeline/cost.py) on the real tiny pair, and the speed policy's fallback rule and calibration."""
+"""The cost model (pipeline/policy/cost.py) on the real tiny pair, and the speed policy's fallback rule and calibration."""
 
 import json
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ModelConfig, load_config
-from pipeline.cost import FORMAT, CostProfile, fit_affine, measure_profile
-from pipeline.engine import Engine
-from pipeline.models import load_models
-from pipeline.policy import (SPEED_SCORE, BlockSizeMLP, BlockSizePolicy, calibrate_margin, speed_gain,
+from pipeline.runtime.config import ConfigError, ModelConfig, load_config
+from pipeline.policy.cost import FORMAT, CostProfile, fit_affine, measure_profile
+from pipeline.decoding.engine import Engine
+from pipeline.decoding.models import load_models
+from pipeline.policy.blocksize import (SPEED_SCORE, BlockSizeMLP, BlockSizePolicy, calibrate_margin, speed_gain,
                              speed_targets, split_of)
 
 
@@ -115,7 +115,7 @@ def test_choose_falls_back_unless_the_predicted_gain_beats_the_margin(tiny, tmp_
     assert again.choose_batch(x) == chosen
     ids = torch.randint(0, m.vocab_size, (1, 40))
     state = engine.prefill(ids)
-    from pipeline.adaptive import AdaptiveDecoder
+    from pipeline.decoding.adaptive import AdaptiveDecoder
 
     folded = again.fold(m.target.lm_head)
     assert folded.fallback_block_size == 8 and folded.margin == margin
@@ -123,7 +123,7 @@ def test_choose_falls_back_unless_the_predicted_gain_beats_the_margin(tiny, tmp_
 
 
 def test_splits_are_disjoint_and_keep_val_as_before():
-    from pipeline.policy import is_val
+    from pipeline.policy.blocksize import is_val
 
     ids = [f"p{i}" for i in range(2000)]
     splits = [split_of(i, 0.1, 0.15) for i in ids]
@@ -144,11 +144,11 @@ def test_config_keys_of_the_cost_model_and_the_objective_fail_fast():
 
 
 def test_adaptive_decoder_replaces_the_fallback_b_with_the_tuned_rule_and_deviates_only_past_its_gain(tiny):
-    """pipeline.adaptive: where the policy answers its fallback b, the tuned per-step rule decodes instead (exactly:
+    """pipeline.decoding.adaptive: where the policy answers its fallback b, the tuned per-step rule decodes instead (exactly:
     same output as plain greedy); the policy leaves the rule only where it predicts more than the rule's gain; a rule
     that lost on held-out label prompts is never used."""
-    from pipeline.adaptive import AdaptiveDecoder, RuleFallback
-    from pipeline.engine import greedy_reference
+    from pipeline.decoding.adaptive import AdaptiveDecoder, RuleFallback
+    from pipeline.decoding.engine import greedy_reference
 
     m, engine = tiny
     assert RuleFallback.from_tune({"rule": "threshold:0.05", "max_block_size": 12, "gain": -0.01}) is None

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
-from pipeline.dataset import decode_metadata
-from pipeline.driver import (
+from pipeline.runtime.config import load_config
+from pipeline.io.shards import decode_metadata
+from pipeline.executor.driver import (
     FRONT_MATTER,
     INPUT_REJECTS,
     LAYOUT_DOC,
@@ -26,8 +26,8 @@ from pipeline.driver import (
     run_stage,
     tasks_from_shards,
 )
-from pipeline.shards import file_sha256, list_shards, shard_name, write_parquet_atomic
-from pipeline.storage import location, read_table
+from pipeline.io.shards import file_sha256, list_shards, shard_name, write_parquet_atomic
+from pipeline.io.storage import location, read_table
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("x", pa.int64())])
 OUT_SCHEMA = pa.schema([("prompt_id", pa.string()), ("square", pa.int64())])

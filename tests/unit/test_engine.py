@@ -5,7 +5,7 @@ import pytest
 import torch
 from dflash import model as dflash_model
 
-from pipeline.engine import Engine, greedy_reference
+from pipeline.decoding.engine import Engine, greedy_reference
 from random_pair import EOS_ID, make_pair, prompt
 
 SEEDS = [0, 1, 3]  # seed 2 stops on its first token: see test_first_token_stop
@@ -139,9 +139,10 @@ def test_first_token_stop_has_no_steps(cpu_timer):
 @pytest.fixture(scope="module")
 def tiny():
     """The bundled tiny pair (loaded once for this module) and three HumanEval prompts through its chat template."""
-    from pipeline.bundled import load_bundled
-    from pipeline.config import ModelConfig
-    from pipeline.models import format_prompt, load_models
+    from pipeline.data.bundled import load_bundled
+    from pipeline.runtime.config import ModelConfig
+    from pipeline.data.chat import format_prompt
+    from pipeline.decoding.models import load_models
 
     m = load_models(ModelConfig())
     rows = load_bundled("humaneval")[:3]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.engine import Engine
-from pipeline.models import load_draft, load_target, resolve_device, resolve_dtype, resolve_location
+from pipeline.runtime.config import ModelConfig
+from pipeline.decoding.engine import Engine
+from pipeline.decoding.models import load_draft, load_target, resolve_device, resolve_dtype, resolve_location
 from random_pair import make_pair, prompt
 
 

@@ -4,12 +4,12 @@ state as the policy makes from the logits, on real prefills of the bundled tiny 
 import pytest
 import torch
 
-from pipeline.adaptive import AdaptiveDecoder
-from pipeline.config import ModelConfig, load_config
-from pipeline.engine import Engine
-from pipeline.models import load_models
-from pipeline.policy import BlockSizeMLP, BlockSizePolicy
-from pipeline.sources import build_prompts
+from pipeline.decoding.adaptive import AdaptiveDecoder
+from pipeline.runtime.config import ModelConfig, load_config
+from pipeline.decoding.engine import Engine
+from pipeline.decoding.models import load_models
+from pipeline.policy.blocksize import BlockSizeMLP, BlockSizePolicy
+from pipeline.data.sources import build_prompts
 
 
 @pytest.fixture(scope="module")

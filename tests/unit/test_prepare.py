@@ -11,12 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import REPO_ROOT, ConfigError, ModelConfig, SourceConfig, load_config
-from pipeline.dataset import PROMPTS_SCHEMA, prompt_id
-from pipeline.models import format_prompt, load_tokenizer
-from pipeline.shards import file_sha256, read_jsonl
-from pipeline.sources import REJECT_REASONS, build_prompts, bundled_split
+from stages.cli import main
+from pipeline.runtime.config import REPO_ROOT, ConfigError, ModelConfig, SourceConfig, load_config
+from pipeline.data.schemas import PROMPTS_SCHEMA, prompt_id
+from pipeline.data.chat import format_prompt
+from pipeline.decoding.models import load_tokenizer
+from pipeline.io.shards import file_sha256, read_jsonl
+from pipeline.data.sources import REJECT_REASONS, build_prompts, bundled_split
 from stages import prepare
 
 DATA = REPO_ROOT / "tests" / "data"
@@ -77,7 +78,7 @@ def test_end_to_end_bundled(tmp_path, tok):
     df = pl.read_parquet(str(out / "*.parquet"))
     assert df.height == 16 and df["prompt_id"].n_unique() == 16
     first = df.row(0, named=True)
-    from pipeline.bundled import load_bundled
+    from pipeline.data.bundled import load_bundled
 
     he = load_bundled("humaneval")
     assert first["text"] == he[0]["text"] and first["source_row"] == 0 and first["source"] == "he"
@@ -238,7 +239,7 @@ def test_text_kind_one_prompt_per_line_or_per_file(tok):
 
 
 def test_bundled_split_is_a_fixed_90_10_partition(tok):
-    from pipeline.bundled import load_bundled
+    from pipeline.data.bundled import load_bundled
 
     he = load_bundled("humaneval")
     ev, _, _ = build_prompts([src("he", "bundled", "humaneval", split="eval")], tok, 2048)
@@ -320,7 +321,7 @@ def test_identical_rerun_with_force_writes_an_identical_manifest(tmp_path):
 def test_cli_unwritable_output_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("a regular file, so nothing can be created under it")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare", f"output_dir={blocker / 'sub'}",
+    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", f"output_dir={blocker / 'sub'}",
                            "prepare.limit=2"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 1
     assert "not writable" in proc.stderr and "Traceback" not in proc.stderr
@@ -337,11 +338,11 @@ def test_job_entrypoint_runs_the_cli(tmp_path):
     assert bad.returncode == 2 and "no_such_key" in bad.stderr
 
 
-PUBLISHED = sorted(glob.glob(str(REPO_ROOT / "pipeline" / "conf" / "published" / "*.yaml")))
+PUBLISHED = sorted(glob.glob(str(REPO_ROOT / "conf" / "published" / "*.yaml")))
 
 
 def test_shipped_configs_validate():
-    load_config(config_file=str(REPO_ROOT / "pipeline" / "conf" / "default.yaml"))
+    load_config(config_file=str(REPO_ROOT / "conf" / "default.yaml"))
     assert len(PUBLISHED) == 4
     targets = {}
     for path in PUBLISHED:
@@ -355,7 +356,7 @@ def test_shipped_configs_validate():
         assert [s.name for s in cfg.evaluate.sources] == ["gsm8k", "math500", "aime24", "humaneval", "mbpp",
                                                           "swe-bench", "mt-bench"]
         # the templates format real-looking rows (and the checks that run before any work pass)
-        from pipeline.sources import row_text, validate_sources
+        from pipeline.data.sources import row_text, validate_sources
 
         validate_sources(cfg.prepare.sources, "prepare")
         validate_sources(cfg.evaluate.sources, "evaluate")

@@ -13,7 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.dataset import LABELS_SCHEMA_VERSION, decode_metadata
+from pipeline.data.schemas import LABELS_SCHEMA_VERSION
+
+from pipeline.io.shards import decode_metadata
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import torch
 from dflash.model import DFlashDraftModel
 from transformers import Qwen3Config
 
-from pipeline import replay
-from pipeline.engine import Engine
-from pipeline.labeling import candidate_block_sizes, label_prompt, replay_label_prompt
-from pipeline.replay import PROPOSERS, replay_candidates, replay_unsupported, replay_unsupported_config, walk
+from pipeline.labelling import replay
+from pipeline.decoding.engine import Engine
+from pipeline.labelling.labels import candidate_block_sizes, label_prompt, replay_label_prompt
+from pipeline.labelling.replay import PROPOSERS, replay_candidates, replay_unsupported, replay_unsupported_config, walk
 from random_pair import EOS_ID, make_pair, prompt
 
 MAX_NEW = 24
@@ -69,9 +69,9 @@ def test_replay_refuses_sampling():
 def test_replay_equals_exhaustive_on_the_tiny_pair():
     """The shipped pair (fp32, CPU) on 16 held-out prompts: half stop at a newline token (stop-token clipping),
     half run to max_new_tokens."""
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.models import load_models
-    from pipeline.sources import build_prompts
+    from pipeline.runtime.config import ModelConfig, load_config
+    from pipeline.decoding.models import load_models
+    from pipeline.data.sources import build_prompts
 
     m = load_models(ModelConfig(dtype="float32", device="cpu"))
     rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=16)
@@ -228,7 +228,7 @@ def test_replay_refuses_what_it_does_not_model_before_any_work(monkeypatch):
 def test_label_mode_auto_falls_back_to_exhaustive_where_replay_is_unproven(tmp_path, caplog):
     import logging
 
-    from pipeline.config import ConfigError, load_config
+    from pipeline.runtime.config import ConfigError, load_config
     from stages.label import resolve_mode
 
     caplog.set_level(logging.INFO, logger="blockpilot")

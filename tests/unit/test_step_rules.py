@@ -1,4 +1,4 @@
-"""Per-step verify length (pipeline/step_rules.py) in the engine: still exact at T = 0 (the target's greedy
+"""Per-step verify length (pipeline/policy/step_rules.py) in the engine: still exact at T = 0 (the target's greedy
 continuation, stop tokens and the max_new_tokens cut included), lossless at T > 0 (a chi-square test against the
 target's exact distribution, with a broken sampler as the negative control), and the rules' own arithmetic."""
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-import pipeline.engine as engine_mod
-from pipeline.engine import Engine, greedy_reference
-from pipeline.step_rules import ConfidenceThreshold, Full, RunningAcceptance, parse_rule
+import pipeline.decoding.engine as engine_mod
+from pipeline.decoding.engine import Engine, greedy_reference
+from pipeline.policy.step_rules import ConfidenceThreshold, Full, RunningAcceptance, parse_rule
 from random_pair import EOS_ID, VOCAB, make_pair, prompt
 
 B_MAX = 6
@@ -146,7 +146,7 @@ def test_a_rule_needs_a_block_to_cut():
 def test_tune_chooses_the_least_modelled_time_per_token():
     import pyarrow as pa
 
-    from pipeline.dataset import TUNE_SCHEMA as SCHEMA
+    from pipeline.data.schemas import TUNE_SCHEMA as SCHEMA
     from stages.tune import choose_rule
 
     def row(pid, method, b, rule, seconds, tokens):

@@ -6,8 +6,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from pipeline.driver import LocalExecutor, run_stage
-from pipeline.shards import (
+from pipeline.executor.driver import LocalExecutor, run_stage
+from pipeline.io.shards import (
     SUCCESS,
     file_sha256,
     is_complete,
@@ -17,7 +17,7 @@ from pipeline.shards import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from pipeline.storage import is_remote, location, parquet_file, read_table, rmtree, size
+from pipeline.io.storage import is_remote, location, parquet_file, read_table, rmtree, size
 
 from test_driver import SCHEMA, Squares, cfg_for, make_inputs
 

@@ -1,6 +1,6 @@
 """``blockpilot submit``'s upload rule and early size refusal, on temporary checkouts (no Ray cluster).
 
-The rule (pipeline/submit.py): in a git checkout only the top-level entries holding a tracked file are uploaded,
+The rule (stages/submit.py): in a git checkout only the top-level entries holding a tracked file are uploaded,
 less .gitignore/.rayignore matches, .git, __pycache__ and any virtualenv (a folder with pyvenv.cfg); outside git,
 everything less those. The plan is also checked against the zip Ray itself builds with the same excludes.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import submit
-from pipeline.cli import main
+from stages import submit
+from stages.cli import main
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -28,7 +28,7 @@ def _write(root: Path, rel: str, data: bytes = b"x") -> Path:
 
 def _checkout(root: Path, git: bool) -> Path:
     """A small checkout: tracked code, and beside it what must not travel."""
-    tracked = ["jobs/prepare.py", "pipeline/__init__.py", "pipeline/conf/default.yaml", ".gitignore",
+    tracked = ["jobs/prepare.py", "pipeline/__init__.py", "conf/default.yaml", ".gitignore",
                "README.md"]
     for rel in tracked:
         _write(root, rel, b"# " + rel.encode() + b"\n")
@@ -52,7 +52,7 @@ def _checkout(root: Path, git: bool) -> Path:
     return root
 
 
-CODE = {"jobs/prepare.py", "pipeline/__init__.py", "pipeline/conf/default.yaml", ".gitignore", "README.md",
+CODE = {"jobs/prepare.py", "pipeline/__init__.py", "conf/default.yaml", ".gitignore", "README.md",
         "pipeline/new_module.py", "pipeline/assets/.gitignore", "pipeline/assets/tiny.json"}
 
 
@@ -136,14 +136,14 @@ def test_oversized_upload_is_refused_before_contacting_the_cluster(tmp_path, mon
 @needs_git
 def test_dry_run_prints_size_and_entrypoint(tmp_path, capsys):
     root = _checkout(tmp_path / "repo", git=True)
-    rc = main(["submit", "prepare", "-c", str(root / "pipeline/conf/default.yaml"), "output_dir=/shared/r",
+    rc = main(["submit", "prepare", "-c", str(root / "conf/default.yaml"), "output_dir=/shared/r",
                "--working-dir", str(root), "prepare.limit=4", "--python", "/opt/py env/bin/python", "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 0, err
     assert f"{len(CODE)} files" in err
     assert "venv-anything/ (holds no tracked file)" in err
     # the config path becomes relative to the uploaded root (the job's cwd); arguments are shell-quoted
-    assert ("entrypoint: '/opt/py env/bin/python' jobs/prepare.py -c pipeline/conf/default.yaml "
+    assert ("entrypoint: '/opt/py env/bin/python' jobs/prepare.py -c conf/default.yaml "
             "output_dir=/shared/r prepare.limit=4") in err
 
 
@@ -171,7 +171,7 @@ def test_address_and_entrypoint(monkeypatch):
 
 
 def test_pipeline_imports_without_ray():
-    code = ("import sys; import pipeline.submit, pipeline.cli; pipeline.cli.build_parser(); "
+    code = ("import sys; import stages.submit, stages.cli; stages.cli.build_parser(); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.policy import BlockSizeMLP, speed_targets
+from pipeline.policy.blocksize import BlockSizeMLP, speed_targets
 from stages.train import train_step
 
 

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
-from pipeline.shards import MANIFEST, file_sha256
+from stages.cli import main
+from pipeline.io.shards import MANIFEST, file_sha256
 
 S0, S1 = "part-00000.parquet", "part-00001.parquet"
 

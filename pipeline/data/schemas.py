@@ -1,0 +1,222 @@
+"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v2).
+
+This module is the contract with other teams: every column is documented here and rendered into the dataset card
+(``README.md``) written beside the shards. Never change a column's meaning without bumping the version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Dict, List, Optional
+
+import pyarrow as pa
+
+from pipeline.io.shards import META_PREFIX
+
+PROMPTS_SCHEMA_VERSION = "1"
+LABELS_SCHEMA_VERSION = "2"
+# Versions validate and train still read. v1 stored `logits` as float16, which DuckDB cannot read with
+# byte-stream-split; v2 stores the same float16-rounded values as float32 (benchmarks/logits_storage.py).
+READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2")
+LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32()}
+
+
+def prompt_id(source: str, text: str) -> str:
+    """Stable id of a prompt: sha256 of (source, raw text), hex, first 24 characters."""
+    return hashlib.sha256(f"{source}\x00{text}".encode("utf-8")).hexdigest()[:24]
+
+
+# ---- prompt shards -----------------------------------------------------------------------------------------------
+
+PROMPT_COLUMNS: List[tuple] = [
+    ("prompt_id", pa.string(), "Stable id: sha256 of (source name, raw text), 24 hex characters. Unique."),
+    ("source", pa.string(), "Name of the prompt source in the config (prepare.sources[].name)."),
+    ("source_row", pa.int64(), "Row index of the prompt in its source (0-based), for tracing back."),
+    ("text", pa.string(), "The raw prompt text, after the source's format template, before the chat template."),
+    ("prompt", pa.string(), "The text the target reads: `text` through the target's chat template."),
+    ("input_ids", pa.list_(pa.int32()), "Token ids of `prompt` (the target's tokenizer, no extra special tokens)."),
+    ("prompt_tokens", pa.int32(), "len(input_ids)."),
+]
+PROMPTS_SCHEMA = pa.schema([(n, t) for n, t, _ in PROMPT_COLUMNS])
+
+
+# ---- label shards ------------------------------------------------------------------------------------------------
+
+LABEL_COLUMNS: List[tuple] = [
+    ("prompt_id", pa.string(), "Id of the prompt (as in the prompt shards)."),
+    ("source", pa.string(), "Prompt source name."),
+    ("prompt_tokens", pa.int32(), "Number of prompt tokens the target read."),
+    ("logits", lambda v: pa.list_(pa.float32(), v),
+     "fixed_size_list<float32>[V]: the target's RAW logits at the last prefill position over the full vocabulary "
+     "(rounded to float16 precision, stored as float32 so that every Parquet reader reads it; schema v1 stored "
+     "float16) "
+     "(before temperature or softmax); the policy's input feature."),
+    ("candidates", pa.list_(pa.int16()), "Candidate block sizes b = B-k .. B+k, ascending. The lists below align "
+     "with it."),
+    ("tau", pa.list_(pa.float32()), "Acceptance length at each candidate: mean tokens committed per verify step, "
+     "bonus token included (>= 1). A generation with no verify step (first token is a stop token, or "
+     "max_new_tokens = 1) has tau = 1 and steps = 0."),
+    ("steps", pa.list_(pa.int32()), "Verify steps (target forwards after prefill) at each candidate."),
+    ("new_tokens", pa.list_(pa.int32()), "Tokens generated at each candidate (first token included). At T = 0 equal "
+     "across candidates (lossless decoding)."),
+    ("decode_seconds", pa.list_(pa.float32()), "Wall seconds of the decode at each candidate on the labelling "
+     "hardware (replay mode: the draft replay plus the shared target decode's seconds at B; batched replay, "
+     "metadata `blockpilot.label_batch_size` > 1: an equal share of the row's share of its batch; see metadata)."),
+    ("label_block_size", pa.int16(), "argmax over candidates of tau; ties go to the smaller block size."),
+    ("label_index", pa.int16(), "Index of label_block_size in `candidates` (the class index for training)."),
+    ("label_speedup_block_size", pa.int16(), "Cost-aware label: argmax over b of tau(b) / cost(b), where cost(b) is "
+     "the per-step draft + verify latency at b of the worker's cost profile, measured once at start-up (metadata "
+     "`blockpilot.step_cost_seconds`, `blockpilot.cost_profile`); ties to the smaller b. tau/cost is tokens per "
+     "second of decoding. Train recomputes it from `tau` under any profile (`train.cost_profile`)."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill (batched replay: an equal share of the "
+     "batch's prefill)."),
+    ("worker", pa.string(), "Which worker labelled the row: node id and GPU id (or cpu-N)."),
+]
+
+
+# ---- evaluation results (evaluate's output: one row per prompt x method) ---------------------------------------
+
+RESULT_COLUMNS = [
+    ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
+    ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
+    ("method", pa.string(), "AR, b=N, adaptive (the policy, its fallback b replaced by the tuned per-step rule when "
+     "tune measured it faster), policy (the policy alone), per-step (the tuned rule alone) or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive, policy, per-step or oracle."),
+    ("block_size", pa.int16(), "The block size decoded with (1 for AR; the oracle's choice; adaptive / policy: the "
+     "policy's b, or the drafted b_max when a per-step rule decoded the row)."),
+    ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
+    ("steps", pa.int32(), "Verify steps."),
+    ("new_tokens", pa.int32(), "Tokens generated."),
+    ("decode_seconds", pa.float32(), "Wall seconds of the decode (prefill excluded)."),
+    ("time_per_output_token", pa.float32(), "decode_seconds / new_tokens."),
+    ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
+    ("policy_seconds", pa.float32(), "The policy MLP's latency in its serving form (adaptive and policy rows)."),
+    ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
+     "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
+    ("worker", pa.string(), "Which worker decoded the prompt."),
+    ("step_rule", pa.string(), "The per-step verify rule tune chose (pipeline.policy.step_rules), on per-step rows and on "
+     "adaptive rows it decoded; `block_size` is then the drafted block b_max. Null elsewhere."),
+    ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (steps x cost(b); per-step rows: the "
+     "draft's pass at b_max plus the verify over the tokens sent, per step). Null without a profile."),
+    ("unfolded_block_size", pa.int16(), "adaptive rows: the choice of the same policy on the raw logits, as trained "
+     "(adaptive itself runs it folded through lm_head, reading the final hidden state: BlockSizePolicy.fold, the "
+     "serving form); evaluate counts where it equals `policy_block_size`. Null elsewhere, or when the policy does not "
+     "fold (an input transform other than none)."),
+    ("policy_block_size", pa.int16(), "adaptive and policy rows: the policy's answer from the prefill (its fallback b "
+     "when it did not deviate), from its serving form (folded, when it folds). Null elsewhere."),
+]
+RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
+
+
+# ---- per-step rule tuning (tune's output: one row per held-out label prompt x method) ----------------------------
+
+TUNE_COLUMNS = [
+    ("prompt_id", pa.string(), "Id of the held-out label prompt (as in prompts/)."),
+    ("source", pa.string(), "Its prompt source."),
+    ("method", pa.string(), "b=N (the fixed baseline) or RULE@B_MAX."),
+    ("block_size", pa.int16(), "b, or the drafted block size b_max of a rule."),
+    ("step_rule", pa.string(), "The rule (pipeline.policy.step_rules.parse_rule form); null for the fixed baseline."),
+    ("steps", pa.int32(), "Verify steps."),
+    ("new_tokens", pa.int32(), "Tokens generated."),
+    ("verified", pa.list_(pa.int16()), "Drafted tokens sent to the target at each step."),
+    ("committed", pa.list_(pa.int16()), "Tokens committed at each step (bonus included)."),
+    ("modelled_seconds", pa.float64(), "Sum over steps of the cost profile's step_seconds(b_max, verified)."),
+    ("worker", pa.string(), "Which worker decoded the prompt."),
+]
+TUNE_SCHEMA = pa.schema([(n, t) for n, t, _ in TUNE_COLUMNS])
+
+
+def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
+    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type)."""
+    fields = []
+    for name, typ, _ in LABEL_COLUMNS:
+        if name == "logits":
+            typ = pa.list_(LOGITS_TYPES[version], vocab_size)
+        fields.append(pa.field(name, typ))
+    return pa.schema(fields)
+
+
+# Key-value schema metadata carried by every label shard (all values JSON-encoded strings).
+LABEL_METADATA_DOCS: Dict[str, str] = {
+    "schema_version": "Label schema version (this card).",
+    "target": "Target model id or path.", "target_revision": "Hub revision, or sha256 of the local config.json.",
+    "draft": "DFlash draft id or path.", "draft_revision": "Hub revision, or sha256 of the local config.json.",
+    "trained_block_size": "B, the block size the draft was trained with.",
+    "candidates": "The candidate block sizes.", "temperature": "Decoding temperature (0 = greedy).",
+    "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.", "max_new_tokens": "Generation cap per decode.",
+    "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
+    "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
+    "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
+    "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
+    "profile's model.",
+    "cost_profile": "The worker's whole cost profile (the `cost_profile.json` format below, raw points included), "
+    "measured once at start-up; `cost_profile.json` beside the shards is the one of the worker that labelled the most "
+    "rows.",
+    "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
+    "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
+    "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
+}
+
+
+def _column_table(columns) -> str:
+    rows = ["| column | type | meaning |", "| --- | --- | --- |"]
+    for name, typ, doc in columns:
+        t = "fixed_size_list<float32>[V]" if callable(typ) else str(typ)
+        rows.append(f"| `{name}` | `{t}` | {doc} |")
+    return "\n".join(rows)
+
+
+def prompts_card() -> str:
+    return f"""# Prompt shards (schema v{PROMPTS_SCHEMA_VERSION})
+
+Written by `blockpilot prepare`: `part-NNNNN.parquet` shards, `rejects.jsonl` (one JSON object per rejected row:
+`source`, `source_row`, `prompt_id` where known, `reason`, `detail`), `manifest.json` (files, rows, sha256, reject
+counts) and `_SUCCESS` when complete. Exact duplicates (same `prompt_id`) are dropped and counted.
+
+{_column_table(PROMPT_COLUMNS)}
+"""
+
+
+def labels_card(extra: str = "") -> str:
+    meta = "\n".join(f"| `{META_PREFIX}{k}` | {v} |" for k, v in LABEL_METADATA_DOCS.items())
+    return f"""# BlockPilot label dataset (schema v{LABELS_SCHEMA_VERSION})
+
+One row per accepted prompt: the target's raw last-position prefill logits and the acceptance length tau measured
+by really decoding at every candidate block size b in {{B-k .. B+k}}, with the best b as the label.
+`part-NNNNN.parquet` is made from prompt shard `part-NNNNN.parquet`; prompts that failed while decoding are in
+`rejects.jsonl` (`prompt_id`, `source`, `reason`, `detail`, `worker`). `manifest.json` lists every file with its
+rows and sha256; `_SUCCESS` marks a complete dataset; `blockpilot validate DIR` checks it. The folder layout,
+the manifest's keys and the rejects layout are at the end of this card.
+
+Read it with `datasets.load_dataset("DIR")` (this card's front matter names the shards, so the folder can also be
+uploaded to the Hub unchanged), `polars.scan_parquet("DIR/part-*.parquet")` (`logits` is an `Array(Float32, V)`
+column), `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, pandas, or DuckDB
+(`SELECT * FROM 'DIR/part-*.parquet'`). Glob the shards as shown: the folder also holds this card,
+`manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every file in it would try to parse.
+
+Schema v2 stores `logits` as float32 holding float16-rounded values (v1 stored float16, which DuckDB cannot read
+with byte-stream-split encoding). The values are the same; `blockpilot validate` and `blockpilot train` read both
+versions.
+
+## Columns
+
+{_column_table(LABEL_COLUMNS)}
+
+## Labels
+
+* `label_block_size = candidates[argmax_i tau[i]]`, ties to the smaller b (the BlockPilot paper's label).
+* `label_speedup_block_size = candidates[argmax_i tau[i] / cost(candidates[i])]`, ties to the smaller b, where
+  `cost(b)` is the seconds of one decode step (draft forward + target verify) at block size b under the worker's
+  cost profile (`cost_profile.json`, measured once per worker at start-up on its own hardware: b = 1..2B, draft and
+  verify timed apart, an affine fit in b). `tau(b) / cost(b)` is decoded tokens per second, so this label picks the
+  fastest b rather than the longest acceptance. Training (`train.objective=speed`) recomputes the speed of every
+  candidate from `tau` under `train.cost_profile` (default: this folder's `cost_profile.json`), so one label set
+  serves any deployment.
+
+## Schema metadata (key-value, JSON-encoded values)
+
+| key | meaning |
+| --- | --- |
+{meta}
+{extra}"""

@@ -1,0 +1,88 @@
+"""Adaptive decoding: prefill -> policy.choose(logits) -> decode the whole request at the chosen block size.
+
+Two levels of adaptation, each chosen on the label set, never on evaluation prompts:
+* per request, the policy (pipeline/policy/blocksize.py) picks b from the prefill; a speed policy answers its fallback b
+  unless it predicts a gain above its calibrated margin;
+* per step, a verify rule (pipeline/policy/step_rules.py, chosen by ``blockpilot tune`` on held-out label prompts) can
+  replace that fallback: the draft proposes b_max tokens and the rule sends the target only a prefix. When the
+  policy answers its fallback b, the decoder runs the rule instead, if tune measured it faster than the fallback b
+  (``RuleFallback.gain`` > 0); the policy then deviates only where it predicts more than the rule's gain.
+
+Ray-free; the evaluate stage's actors use it and so can a serving loop or a notebook.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from pipeline.decoding.engine import DecodeResult, Engine, PrefillState
+from pipeline.policy.blocksize import BlockSizePolicy
+from pipeline.policy.step_rules import parse_rule
+
+
+@dataclass(frozen=True)
+class RuleFallback:
+    """A per-step verify rule at b_max that replaces the policy's fallback b (``tune/step_rule.json``)."""
+
+    rule: str  # pipeline.policy.step_rules.parse_rule form, e.g. "threshold:0.01"
+    max_block_size: int
+    gain: float  # modelled gain over plain decoding at the fallback b, measured on held-out label prompts
+
+    @classmethod
+    def from_tune(cls, choice: Dict[str, Any]) -> Optional["RuleFallback"]:
+        """From tune's step_rule.json; None when the rule did not beat the fixed b there (it would only slow down)."""
+        gain = float(choice.get("gain") or 0.0)
+        return cls(choice["rule"], int(choice["max_block_size"]), gain) if gain > 0 else None
+
+    @property
+    def min_gain(self) -> float:
+        """The log speed ratio over the fallback b that a policy choice must beat to be worth leaving the rule."""
+        return math.log1p(self.gain)
+
+    def step_rule(self):
+        return parse_rule(self.rule)
+
+
+@dataclass
+class AdaptiveResult:
+    block_size: int  # what was decoded: the policy's b, or the rule's b_max when the rule replaced the fallback
+    policy_seconds: float  # the MLP's latency, to compare with the prefill's
+    prefill_seconds: float
+    decode: DecodeResult
+    policy_block_size: int = 0  # the policy's answer (its fallback b when it did not deviate)
+    step_rule: Optional[str] = None  # the rule decoded with, or None (every step verifies the whole block)
+
+
+class AdaptiveDecoder:
+    def __init__(self, engine: Engine, policy: BlockSizePolicy, rule_fallback: Optional[RuleFallback] = None):
+        self.engine = engine
+        self.policy = policy
+        # A rule replaces only a speed policy's fallback b; a classifier (objective paper/hard/soft) has none.
+        self.rule_fallback = rule_fallback if policy.fallback_block_size is not None else None
+        if policy.device != engine.device:
+            policy.model.to(engine.device)
+
+    def choose(self, state: PrefillState) -> tuple:
+        """(the policy's b, its latency in seconds)."""
+        t0 = self.engine.now()
+        # A folded policy reads the final hidden state (H values), the plain one the logits (V values).
+        min_gain = self.rule_fallback.min_gain if self.rule_fallback else 0.0
+        b = self.policy.choose(state.hidden if self.policy.reads_hidden else state.logits, min_gain=min_gain)
+        return b, self.engine.now() - t0
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: Optional[int] = 0, state: Optional[PrefillState] = None) -> AdaptiveResult:
+        """One request; pass ``state`` to reuse a prefill already made for the same prompt."""
+        state = state if state is not None else self.engine.prefill(input_ids)
+        b, policy_seconds = self.choose(state)
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        rf = self.rule_fallback
+        if rf is not None and b == self.policy.fallback_block_size:
+            res = self.engine.decode(state, block_size=rf.max_block_size, step_rule=rf.step_rule(), **kw)
+            return AdaptiveResult(rf.max_block_size, policy_seconds, state.prefill_seconds, res, b, rf.rule)
+        res = self.engine.decode(state, block_size=b, **kw)
+        return AdaptiveResult(b, policy_seconds, state.prefill_seconds, res, b)

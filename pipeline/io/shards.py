@@ -1,0 +1,148 @@
+"""Shard-folder mechanics shared by every stage (datatrove style).
+
+A stage folder holds rank-named shards ``part-00000.parquet`` ..., each written under a temporary name and renamed
+atomically (in object storage: one PUT, see :mod:`pipeline.io.storage`), a ``manifest.json`` and, once the stage is complete, an empty ``_SUCCESS`` marker. These are the
+primitives; :mod:`pipeline.executor.driver` is the one place that writes manifests, reject files and ``_SUCCESS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.io.storage import (is_remote, location, parquet_bytes, parquet_file, replace_durably, tmp_path,
+                                 write_bytes_atomic)
+
+# Key-value schema metadata of every shard the pipeline writes: blockpilot.KEY -> JSON value.
+META_PREFIX = "blockpilot."
+
+
+def encode_metadata(meta: Dict[str, Any]) -> Dict[bytes, bytes]:
+    return {(META_PREFIX + k).encode(): json.dumps(v, default=str).encode() for k, v in meta.items()}
+
+
+def decode_metadata(raw: Optional[Dict[bytes, bytes]]) -> Dict[str, Any]:
+    out = {}
+    for k, v in (raw or {}).items():
+        key = k.decode()
+        if key.startswith(META_PREFIX):
+            out[key[len(META_PREFIX):]] = json.loads(v.decode())
+    return out
+
+
+from pipeline.io.layout import FINGERPRINT, MANIFEST, SUCCESS  # noqa: E402,F401 - the shard folder's names
+
+
+def shard_name(index: int, suffix: str = ".parquet") -> str:
+    return f"part-{index:05d}{suffix}"
+
+
+def list_shards(folder) -> list:
+    return sorted(location(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"), key=lambda p: p.name)
+
+
+def write_parquet_atomic(table: pa.Table, path, **options: Any) -> None:
+    path = location(path)
+    if is_remote(path):  # one PUT of the finished file (pipeline/io/storage.py)
+        write_bytes_atomic(parquet_bytes(table, **options), path)
+        return
+    tmp = tmp_path(path)
+    try:
+        pq.write_table(table, tmp, **options)
+        replace_durably(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(text: str, path) -> None:
+    write_bytes_atomic(text.encode(), path)
+
+
+def write_json_atomic(obj: Any, path) -> None:
+    write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)
+
+
+def write_jsonl_atomic(rows: Iterable[Dict[str, Any]], path) -> None:
+    write_text_atomic("".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in rows), path)
+
+
+def read_jsonl(path) -> list:
+    path = location(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with location(path).open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def is_complete(folder) -> bool:
+    return (location(folder) / SUCCESS).exists()
+
+
+def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
+                      has_output: Optional[bool] = None) -> bool:
+    """Refuse to mix outputs of different configs in one folder.
+
+    ``fingerprint`` holds the config values that change a stage's output (models, candidates, temperature, ...).
+    The first run records it; a later run with a different one raises unless ``force``. Returns True when the
+    folder holds outputs of another config that the caller must discard (force was given).
+    """
+    folder = location(folder)
+    path = folder / FINGERPRINT
+    previous = json.loads(path.read_text()) if path.exists() else None
+    normalised = normalise(fingerprint)
+    # A folder with no output yet (a first run that failed before writing any shard) binds nothing.
+    if has_output is None:
+        has_output = bool(list_shards(folder)) or is_complete(folder)
+    if previous is not None and previous != normalised and has_output:
+        changed = sorted(k for k in set(previous) | set(normalised) if previous.get(k) != normalised.get(k))
+        if not force:
+            raise FileExistsError(
+                f"{folder} was written with a different config (changed: {', '.join(changed)}); "
+                "use a new output_dir, or force=true to overwrite")
+    if previous != normalised:
+        write_json_atomic(normalised, path)
+    return previous is not None and previous != normalised and has_output
+
+
+def normalise(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
+    """The one JSON form of a fingerprint: what fingerprint.json holds and what its sha256 is taken of."""
+    return json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+
+
+def fingerprint_sha256(fingerprint: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(normalise(fingerprint), sort_keys=True).encode()).hexdigest()
+
+
+def shard_intact(path: Path, rows: int, fp_sha: str) -> bool:
+    """The shard's footer reads, it holds ``rows`` rows, and it carries this config's fingerprint (schema metadata
+    ``blockpilot.fingerprint_sha256``). Reads the footer only."""
+    path = location(path)
+    if not path.exists():
+        return False
+    try:
+        pf = parquet_file(path)
+        info = decode_metadata(pf.schema_arrow.metadata)
+    except Exception:  # truncated or corrupted: regenerate
+        return False
+    return pf.metadata.num_rows == rows and info.get("fingerprint_sha256") == fp_sha
+
+
+def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
+                       rows_per_input: int = 1) -> bool:
+    """An output shard counts as done when it is intact and its rows plus its rejects account for every input row."""
+    rejected = len(read_jsonl(rejects_path))
+    return shard_intact(out_path, (input_rows - rejected) * rows_per_input, fp_sha)

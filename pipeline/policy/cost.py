@@ -1,0 +1,264 @@
+"""A measured cost model of one decode step: seconds of the draft forward and of the target verify at block size b.
+
+:func:`measure_profile` times both parts separately at every b in 1..2B, at a few context lengths, on the engine's
+own device and dtype: a warm-up decode per (b, context), then rounds of timed decodes (every b once per round, in
+a shuffled order, so that load that comes and goes on a shared machine hits every b alike) until the median per-step
+cost of every b moves by less than ``rel_tol`` from one round to the next (or ``max_repeats`` rounds). Each timed
+decode runs at least ``steps`` verify steps (``max_new_tokens = steps * b + 1``, stop tokens off), since a probe of
+a few tokens measures one or two steps and is noise (the old start-up probe: 8 tokens at tau ~4 = 2 steps).
+
+It then fits a smooth model, affine in b per component over b >= 2 (``draft(b) = a + c b``, ``verify(b) = a + c
+b``; b = 1 is autoregressive decoding, no draft, and keeps its measured value), and KEEPS the raw points, so a
+reader can refit. :class:`CostProfile` is the result; ``cost_profile.json`` is its documented format
+(:data:`FORMAT_DOC`). Ray-free.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+
+FORMAT = "blockpilot.cost_profile"
+FORMAT_VERSION = 1
+from pipeline.io.layout import COST_PROFILE as FILENAME  # noqa: E402
+
+FORMAT_DOC = f"""## `{FILENAME}` (format `{FORMAT}`, version {FORMAT_VERSION})
+
+Seconds per decode step (draft forward + target verify) at every block size b in 1..2B, measured by
+`blockpilot profile` (or once per label worker) on one machine. Keys:
+
+| key | meaning |
+| --- | --- |
+| `format`, `version` | `{FORMAT}`, {FORMAT_VERSION} |
+| `hardware` | platform, machine, processor, CPU count, torch threads, torch version, GPU name (or null) |
+| `device`, `dtype` | the torch device and dtype the models ran in |
+| `target`, `draft`, `target_revision`, `draft_revision`, `trained_block_size` | the model pair |
+| `block_sizes`, `context_lengths` | the grid measured (prompt tokens before the timed decode) |
+| `settings` | steps per timed decode (at least), warm-up, min/max rounds, the stability tolerance |
+| `seconds` | `{{b: seconds per step}}` of the model: the fit for b >= 2, the measured value at b = 1. What consumers use |
+| `measured` | `{{b: {{draft, verify, total}}}}`: median over rounds of seconds per step, mean over context lengths |
+| `spread` | `{{b: (p75 - p25) / median}}` of the total per-step seconds over rounds, worst context length |
+| `fit` | `{{draft: {{intercept, slope}}, verify: {{intercept, slope}}, from_block_size: 2, max_rel_residual}}`: seconds = intercept + slope x b |
+| `raw` | every timed point: `{{b, context, round, steps, draft_seconds, verify_seconds}}` (per step), warm-ups excluded |
+| `rounds`, `stable`, `wall_seconds`, `measured_at` | rounds run, whether every b met the tolerance, time spent, when |
+"""
+
+
+def hardware_info(device: str = "cpu") -> Dict[str, Any]:
+    import os
+
+    import torch
+
+    gpu = None
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(torch.device(device))
+    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": gpu}
+
+
+def fit_affine(bs: Sequence[float], ys: Sequence[float]) -> Dict[str, float]:
+    """Least-squares ``y = intercept + slope * b`` with ``slope >= 0``: a forward over more tokens never costs less,
+    so a negative slope is timing noise (on a tiny draft the 2- and 16-token passes cost about the same) and the
+    constrained optimum is then the flat line through the mean."""
+    b, y = np.asarray(bs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if len(b) == 1:
+        return {"intercept": float(y[0]), "slope": 0.0}
+    slope, intercept = np.polyfit(b, y, 1)
+    if slope < 0:
+        return {"intercept": float(y.mean()), "slope": 0.0}
+    return {"intercept": float(intercept), "slope": float(slope)}
+
+
+@dataclass
+class CostProfile:
+    """Seconds per decode step by block size; ``cost(b)`` is the model (fit for b >= 2, measured b = 1)."""
+
+    seconds: Dict[int, float]
+    measured: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    spread: Dict[int, float] = field(default_factory=dict)
+    fit: Dict[str, Any] = field(default_factory=dict)
+    raw: List[Dict[str, Any]] = field(default_factory=list)
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+    def cost(self, b: int) -> float:
+        b = int(b)
+        if b in self.seconds:
+            return float(self.seconds[b])
+        f = self.fit
+        if b >= f.get("from_block_size", 2) and "draft" in f:
+            return _affine(f["draft"], b) + _affine(f["verify"], b)
+        raise KeyError(f"the cost profile has no block size {b} (measured {sorted(self.seconds)})")
+
+    def step_seconds(self, drafted: int, verified: int) -> float:
+        """One step of a per-step rule (pipeline/policy/step_rules.py): the draft's pass over a block of ``drafted``
+        tokens, then the target's verify over the known token + ``verified`` drafted ones (the two fitted components
+        apart). A plain step at b is ``step_seconds(b, b - 1)`` = ``cost(b)``."""
+        f = self.fit
+        if "draft" in f and "verify" in f and drafted >= f.get("from_block_size", 2):
+            return _affine(f["draft"], drafted) + _affine(f["verify"], verified + 1)
+        return self.cost(verified + 1)
+
+    def costs(self, block_sizes: Sequence[int]) -> Dict[int, float]:
+        return {int(b): self.cost(b) for b in block_sizes}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"format": FORMAT, "version": FORMAT_VERSION, **self.meta,
+                "seconds": {str(b): v for b, v in sorted(self.seconds.items())},
+                "measured": {str(b): v for b, v in sorted(self.measured.items())},
+                "spread": {str(b): v for b, v in sorted(self.spread.items())},
+                "fit": self.fit, "raw": self.raw}
+
+    def summary(self) -> Dict[str, Any]:
+        """The small part (no raw points): what label shard metadata and policy.json carry."""
+        d = self.to_dict()
+        d.pop("raw")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "CostProfile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a cost profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        known = ("format", "version", "seconds", "measured", "spread", "fit", "raw")
+        return cls(seconds={int(b): float(v) for b, v in d["seconds"].items()},
+                   measured={int(b): v for b, v in d.get("measured", {}).items()},
+                   spread={int(b): float(v) for b, v in d.get("spread", {}).items()},
+                   fit=d.get("fit", {}), raw=d.get("raw", []),
+                   meta={k: v for k, v in d.items() if k not in known})
+
+    def save(self, path: Union[str, Path]) -> None:
+        from pipeline.io.shards import write_text_atomic
+
+        write_text_atomic(json.dumps(self.to_dict(), indent=1) + "\n", path)  # local or object storage
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "CostProfile":
+        from pipeline.io.storage import location
+
+        return cls.from_dict(json.loads(location(path).read_text()))
+
+
+def _affine(p: Dict[str, float], b: float) -> float:
+    return float(p["intercept"] + p["slope"] * b)
+
+
+def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
+                    context_lengths: Sequence[int] = (64, 256), steps: int = 16, warmup: int = 1,
+                    min_repeats: int = 3, max_repeats: int = 8, rel_tol: float = 0.02, seed: int = 0,
+                    meta: Optional[Dict[str, Any]] = None) -> CostProfile:
+    """Time the draft forward and the target verify per decode step at every b in ``block_sizes`` (see the module
+    docstring); returns the fitted profile with its raw points."""
+    import torch
+
+    t_start = time.perf_counter()
+    block_sizes = sorted({int(b) for b in block_sizes})
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    saved, engine.stop_token_ids = engine.stop_token_ids, None  # every timed decode runs its steps
+    raw: List[Dict[str, Any]] = []
+    stable = False
+    rounds = 0
+    try:
+        states = {}
+        for ctx in context_lengths:
+            ids = torch.randint(0, max(2, vocab_size - 8), (1, int(ctx)), generator=g)
+            states[int(ctx)] = engine.prefill(ids)
+
+        budget: Dict[tuple, int] = {}  # max_new_tokens that gives about `steps` steps (greedy: the same each time)
+
+        def timed(b: int, ctx: int):
+            r = engine.decode(states[ctx], block_size=b, max_new_tokens=budget.get((b, ctx), steps * b + 1))
+            n = max(1, r.steps)
+            return r, r.steps, r.draft_seconds / n, r.verify_seconds / n
+
+        for ctx in states:
+            for b in block_sizes:
+                for _ in range(max(1, warmup)):
+                    r = timed(b, ctx)[0]
+                # The warm-up's own acceptance sets the token budget of this (b, context): `steps` steps each time.
+                committed = r.committed[:steps]
+                budget[(b, ctx)] = max(2, int(sum(committed)) + 1)
+        previous: Optional[Dict[int, float]] = None
+        for rounds in range(1, max_repeats + 1):
+            grid = [(b, ctx) for b in block_sizes for ctx in states]
+            for i in rng.permutation(len(grid)):
+                b, ctx = grid[i]
+                _, n, d, v = timed(b, ctx)
+                raw.append({"b": b, "context": ctx, "round": rounds, "steps": n, "draft_seconds": d,
+                            "verify_seconds": v})
+            # Stable when the model (the fit, which pools every b) moves by less than rel_tol in one round.
+            now = _fit(block_sizes, raw, list(states))[0]
+            if rounds >= min_repeats and previous is not None:
+                stable = all(abs(now[b] - previous[b]) <= rel_tol * now[b] for b in now)
+                if stable:
+                    break
+            previous = now
+    finally:
+        engine.stop_token_ids = saved
+
+    seconds, measured, spread, fit = _fit(block_sizes, raw, list(states))
+    info = {"device": str(engine.device), "dtype": str(next(engine.target.parameters()).dtype).replace("torch.", ""),
+            "hardware": hardware_info(str(engine.device)), **(meta or {}),
+            "block_sizes": block_sizes, "context_lengths": [int(c) for c in context_lengths],
+            "settings": {"steps": steps, "warmup": warmup, "min_repeats": min_repeats, "max_repeats": max_repeats,
+                         "rel_tol": rel_tol, "seed": seed},
+            "rounds": rounds, "stable": bool(stable), "wall_seconds": round(time.perf_counter() - t_start, 2),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return CostProfile(seconds, measured, spread, fit, raw, info)
+
+
+def _fit(block_sizes: Sequence[int], raw: List[Dict[str, Any]], contexts: Sequence[int]):
+    """(seconds, measured, spread, fit) from the raw points: medians over rounds, mean over context lengths, an
+    affine fit per component over b >= 2, the measured value at b = 1."""
+    measured, spread = {}, {}
+    for b in block_sizes:
+        per_ctx = {}
+        for ctx in contexts:
+            sub = [p for p in raw if p["b"] == b and p["context"] == ctx]
+            per_ctx[ctx] = {k: float(np.median([p[f"{k}_seconds"] for p in sub])) for k in ("draft", "verify")}
+            tot = np.array([p["draft_seconds"] + p["verify_seconds"] for p in sub])
+            q25, q50, q75 = np.percentile(tot, [25, 50, 75])
+            spread[b] = max(spread.get(b, 0.0), float((q75 - q25) / q50) if q50 > 0 else 0.0)
+        m = {k: float(np.mean([per_ctx[c][k] for c in per_ctx])) for k in ("draft", "verify")}
+        m["total"] = m["draft"] + m["verify"]
+        measured[b] = m
+    multi = [b for b in block_sizes if b >= 2]
+    fit: Dict[str, Any] = {"from_block_size": 2}
+    seconds = {}
+    if multi:
+        for k in ("draft", "verify"):
+            fit[k] = fit_affine(multi, [measured[b][k] for b in multi])
+        for b in multi:
+            seconds[b] = _affine(fit["draft"], b) + _affine(fit["verify"], b)
+        fit["max_rel_residual"] = float(max(abs(seconds[b] - measured[b]["total"]) / measured[b]["total"]
+                                            for b in multi))
+    for b in block_sizes:
+        if b < 2:
+            seconds[b] = measured[b]["total"]
+    return seconds, measured, spread, fit
+
+
+def profile_block_sizes(trained_block_size: int, candidates: Sequence[int] = ()) -> List[int]:
+    """1..2B, plus any candidate beyond it."""
+    return sorted(set(range(1, 2 * int(trained_block_size) + 1)) | {int(b) for b in candidates})
+
+
+def profile_for(engine, cfg, trained_block_size: int, candidates: Sequence[int] = (),
+                meta: Optional[Dict[str, Any]] = None) -> CostProfile:
+    """The profile the config asks for (``cfg.profile``) on this engine: b in 1..profile.max_block_size (default
+    2B) plus every candidate."""
+    p = cfg.profile
+    top = p.max_block_size or 2 * int(trained_block_size)
+    sizes = sorted(set(range(1, top + 1)) | {int(b) for b in candidates})
+    vocab = int(engine.target.get_output_embeddings().weight.shape[0])
+    m = cfg.model
+    info = {"target": m.target, "draft": m.draft, "trained_block_size": int(trained_block_size), **(meta or {})}
+    return measure_profile(engine, sizes, vocab, context_lengths=p.context_lengths, steps=p.steps,
+                           min_repeats=p.min_repeats, max_repeats=p.max_repeats, rel_tol=p.rel_tol,
+                           seed=cfg.decode.seed, meta=info)

@@ -1,0 +1,413 @@
+"""The one config schema of the pipeline.
+
+Typed dataclasses are the schema; values are merged as
+schema <- conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
+The default config and the published ones (``conf/published/NAME.yaml``, named on the command line as
+``-c published:NAME``) live in the top-level ``conf/``, the one source of default values; a wheel ships that
+folder as the package ``blockpilot_conf``, so that a plain ``pip install .`` runs exactly as a checkout does.
+Unknown keys, wrong types, missing mandatory values and out-of-range values fail in
+:func:`load_config`, before any stage does work, with a :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+# The checkout's root (tests use it for tests/data); meaningless in an installed package.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _conf_dir() -> Path:
+    """The top-level conf/ of a checkout (an editable install, or ``ray job submit --working-dir .``), else the
+    copy a wheel ships as the package ``blockpilot_conf`` (pyproject.toml maps it to conf/)."""
+    checkout = REPO_ROOT / "conf"
+    if (checkout / "default.yaml").is_file() and (REPO_ROOT / "pipeline" / "__init__.py").is_file():
+        return checkout
+    import importlib.util
+
+    spec = importlib.util.find_spec("blockpilot_conf")
+    if spec is None or not spec.submodule_search_locations:
+        return checkout  # load_config then says the default config is missing, naming this path
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+CONF_DIR = _conf_dir()
+DEFAULT_YAML = CONF_DIR / "default.yaml"
+PUBLISHED_DIR = CONF_DIR / "published"
+PUBLISHED_PREFIX = "published:"
+
+
+class ConfigError(ValueError):
+    """A config problem, raised before any work; the message names the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    # Hub id, local directory, or ``bundled:NAME`` (a directory under pipeline/assets/).
+    target: str = "bundled:tiny-target"
+    draft: str = "bundled:tiny-draft"
+    target_revision: Optional[str] = None
+    draft_revision: Optional[str] = None
+    # Tokenizer location; None = the target's.
+    tokenizer: Optional[str] = None
+    # auto = bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+    # auto = cuda when available, else cpu.
+    device: str = "auto"
+    trust_remote_code: bool = False
+    # Passed to the chat template where it has the switch (Qwen3); the paper runs with thinking off.
+    enable_thinking: bool = False
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 128
+    # 0 = greedy (lossless w.r.t. the target's greedy output); > 0 = rejection sampling.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    # Stop at the tokenizer's eos token(s).
+    stop_on_eos: bool = True
+
+
+@dataclass
+class SourceConfig:
+    # Name recorded in the `source` column and hashed into `prompt_id`.
+    name: str = MISSING
+    # bundled | hf | jsonl | json | parquet | text | sharegpt
+    kind: str = MISSING
+    # bundled set name, hub id, or local file/folder.
+    path: str = MISSING
+    # hf: dataset config name and split (None = "train").
+    hf_config: Optional[str] = None
+    # hf: the split. bundled: None = every prompt, "label" / "eval" = a fixed 90/10 partition by prompt hash,
+    # so that evaluation prompts are never labelled or trained on.
+    split: Optional[str] = None
+    # Field holding the prompt text (ignored for bundled/text/sharegpt).
+    field: Optional[str] = "prompt"
+    # Python format template over the row's fields, e.g. "{question}\nAnswer:"; overrides `field`.
+    template: Optional[str] = None
+    # Cap on prompts taken from this source (None = all).
+    limit: Optional[int] = None
+
+
+@dataclass
+class PrepareConfig:
+    sources: List[SourceConfig] = field(
+        default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout", split="label")]
+    )
+    max_prompt_tokens: int = 1024
+    shard_size: int = 256
+    # Cap on prompts taken from each source (smoke runs); per-source `limit` wins when smaller.
+    limit: Optional[int] = None
+    apply_chat_template: bool = True
+
+
+@dataclass
+class LabelConfig:
+    # Trained block size B; None = read from the draft's config.
+    block_size: Optional[int] = None
+    # Candidates are B-k .. B+k.
+    k: int = 2
+    # CPU actors when the cluster has no GPU; with GPUs, one actor per GPU (None = all GPUs).
+    num_workers: Optional[int] = None
+    # auto (= replay at T = 0, else exhaustive) | exhaustive | replay
+    mode: str = "auto"
+    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py: one batched greedy decode of the target, then
+    # the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1 (the
+    # reference). How the default was measured: conf/default.yaml.
+    batch_size: int = 64
+
+
+@dataclass
+class ProfileConfig:
+    """The cost model (pipeline/policy/cost.py): seconds per decode step, draft and verify timed apart, at every b in
+    1..max_block_size. `blockpilot profile` writes it alone; every label worker measures it once at start-up."""
+
+    # Where `blockpilot profile` writes cost_profile.json; None = output_dir/cost_profile.json.
+    output: Optional[str] = None
+    # Largest b measured; None = 2B.
+    max_block_size: Optional[int] = None
+    # Prompt lengths (tokens) the steps are timed after; the model is their mean.
+    context_lengths: List[int] = field(default_factory=lambda: [64, 256])
+    # Verify steps per timed decode (at least): short probes of 1-2 steps were noise.
+    steps: int = 16
+    # Rounds (every b once per round, shuffled): at least min_repeats, then until the fitted cost of every b moves
+    # by less than rel_tol in one round, at most max_repeats.
+    min_repeats: int = 3
+    max_repeats: int = 5
+    rel_tol: float = 0.02
+
+
+@dataclass
+class TrainConfig:
+    hidden: int = 2048
+    n_layers: int = 2
+    dropout: float = 0.2
+    # none | softmax | log_softmax | standardize
+    input_transform: str = "none"
+    lr: float = 1e-5
+    epochs: int = 100
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    # speed: regress every candidate's decode speed tau(b) / cost(b) (relative to the fallback b) and pick the
+    #   fastest, falling back to the best fixed b unless the predicted gain beats a calibrated margin;
+    # paper: the BlockPilot paper end to end (cross-entropy on the argmax-tau label, argmax, no fallback);
+    # hard: cross-entropy on `label`; soft: cross-entropy on the softmax of tau over candidates.
+    objective: str = "speed"
+    soft_temperature: float = 1.0
+    # hard only: tau (argmax tau) | speedup (argmax tau / cost under train.cost_profile)
+    label: str = "tau"
+    # The cost profile (cost_profile.json) the speed targets use; None = the labelling one (labels/cost_profile.json).
+    # One label set serves any deployment: give the serving machine's profile here.
+    cost_profile: Optional[str] = None
+    # Share of the label set (by prompt-id hash, disjoint from train and val) the fallback margin is calibrated on.
+    calibration_fraction: float = 0.15
+    # Ray Train report (with a checkpoint) every N epochs and at the last: each report costs ~2 s on a small CPU
+    # box. A killed run resumes from the last checkpoint, so it loses at most N - 1 epochs.
+    checkpoint_every: int = 10
+    num_workers: int = 1
+    # None = train on GPUs when the cluster has one per worker.
+    use_gpu: Optional[bool] = None
+    max_failures: int = 2
+    seed: int = 0
+    # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size.
+    cache_max_gb: float = 4.0
+
+
+@dataclass
+class EvaluateConfig:
+    sources: List[SourceConfig] = field(
+        default_factory=lambda: [
+            SourceConfig(name="humaneval", kind="bundled", path="humaneval"),
+            SourceConfig(name="stdlib-heldout-eval", kind="bundled", path="stdlib-heldout", split="eval"),
+        ]
+    )
+    # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
+    fixed_block_sizes: Optional[List[int]] = None
+    limit: Optional[int] = None
+    num_workers: Optional[int] = None
+    # Use the per-step rule `blockpilot tune` chose, when output_dir/tune is complete: adaptive decodes with it
+    # where the policy answers its fallback b (if tune measured it faster there), and evaluate also runs its two
+    # parts apart (`policy`: the policy alone; `per-step`: the rule alone at its b_max). false: adaptive is the
+    # policy alone, and run skips tune.
+    per_step: bool = True
+
+
+@dataclass
+class TuneConfig:
+    """Per-step verify length (pipeline/policy/step_rules.py), chosen on the label set's held-out (val) prompts, never on
+    the evaluation sets: every rule of `rules` at every b_max of `max_block_sizes` is decoded on `limit` of them,
+    and the fastest by modelled time (the cost profile) is what evaluate runs."""
+
+    # Step rules to try: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK.
+    # The thresholds are small because a product of top-1 probabilities falls fast with the position.
+    rules: List[str] = field(default_factory=lambda: ["threshold:0.01", "threshold:0.02", "threshold:0.05",
+                                                      "threshold:0.1", "ema:0.5:2"])
+    # Drafted block sizes b_max; None = [1.5 B, 2 B] (a rule only ever cuts, so b_max sits above the fixed optimum).
+    max_block_sizes: Optional[List[int]] = None
+    # Held-out label prompts decoded (the first `limit` of the val split, by prompt-id hash).
+    limit: int = 48
+    num_workers: Optional[int] = None
+
+
+@dataclass
+class WorkerConfig:
+    """The decoding actors of label and evaluate."""
+
+    # CPUs each actor reserves (GPU actors also take one GPU each).
+    cpus_per_worker: float = 1.0
+    # Restarts of a dead actor; its in-flight shard is retried (shard outputs are atomic, so retries are safe).
+    max_retries: int = 3
+
+
+@dataclass
+class RayConfig:
+    # None = start or join a local Ray; "auto" = join the running cluster.
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    # Advertise GPUs that may not exist (tests use this to check placement on a CPU machine).
+    num_gpus: Optional[int] = None
+
+
+@dataclass
+class PipelineConfig:
+    output_dir: str = "runs/default"
+    # Allow writing into an output folder made with a different config.
+    force: bool = False
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    label: LabelConfig = field(default_factory=LabelConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+_CHOICES = {
+    "model.dtype": ("auto", "float32", "float16", "bfloat16"),
+    "label.mode": ("auto", "exhaustive", "replay"),
+    "train.input_transform": ("none", "softmax", "log_softmax", "standardize"),
+    "train.objective": ("speed", "paper", "hard", "soft"),
+    "train.label": ("tau", "speedup"),
+}
+_SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _validate(cfg: PipelineConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+    d = cfg.decode
+    _check(d.max_new_tokens >= 1, "decode.max_new_tokens", "must be >= 1")
+    _check(d.temperature >= 0, "decode.temperature", "must be >= 0")
+    _check(0 < d.top_p <= 1, "decode.top_p", "must be in (0, 1]")
+    _check(d.top_k >= 0, "decode.top_k", "must be >= 0")
+    _check(cfg.label.k >= 0, "label.k", "must be >= 0")
+    _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
+           "label.block_size", "B - k must be >= 1")
+    _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
+    _check(cfg.label.batch_size >= 1, "label.batch_size", "must be >= 1")
+    _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
+    _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
+    _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
+           "replay is exact only at temperature 0; use exhaustive or auto")
+    _check(cfg.prepare.shard_size >= 1, "prepare.shard_size", "must be >= 1")
+    _check(cfg.prepare.max_prompt_tokens >= 1, "prepare.max_prompt_tokens", "must be >= 1")
+    _check(cfg.prepare.limit is None or cfg.prepare.limit >= 1, "prepare.limit", "must be >= 1")
+    _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
+    _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
+           "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")
+    _check(cfg.train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
+    pr = cfg.profile
+    _check(pr.max_block_size is None or pr.max_block_size >= 1, "profile.max_block_size", "must be >= 1")
+    _check(len(pr.context_lengths) >= 1 and all(c >= 1 for c in pr.context_lengths), "profile.context_lengths",
+           "needs at least one length >= 1")
+    _check(pr.steps >= 1, "profile.steps", "must be >= 1")
+    _check(1 <= pr.min_repeats <= pr.max_repeats, "profile.min_repeats", "must be in [1, profile.max_repeats]")
+    _check(pr.rel_tol > 0, "profile.rel_tol", "must be > 0")
+    _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
+    _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
+    _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
+    _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
+    _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
+    _check(cfg.tune.max_block_sizes is None or all(b >= 2 for b in cfg.tune.max_block_sizes),
+           "tune.max_block_sizes", "every b_max must be >= 2")
+    from pipeline.policy.step_rules import parse_rule
+
+    for i, rule in enumerate(cfg.tune.rules):
+        try:
+            parse_rule(rule)
+        except ValueError as err:
+            raise ConfigError(f"config key 'tune.rules[{i}]': {err}") from None
+    for section in ("prepare", "evaluate"):
+        names = set()
+        for i, src in enumerate(getattr(cfg, section).sources):
+            key = f"{section}.sources[{i}]"
+            _check(src.kind in _SOURCE_KINDS, f"{key}.kind", f"{src.kind!r} is not one of {', '.join(_SOURCE_KINDS)}")
+            _check(src.name not in names, f"{key}.name", f"duplicate source name {src.name!r}")
+            names.add(src.name)
+            _check(src.limit is None or src.limit >= 1, f"{key}.limit", "must be >= 1")
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _key_of(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None)
+    return str(key) if key else "?"
+
+
+def published_configs() -> Dict[str, Path]:
+    """The packaged published configs, by name (``-c published:NAME``)."""
+    return {p.stem: p for p in sorted(PUBLISHED_DIR.glob("*.yaml"))}
+
+
+def resolve_config_file(config_file: str) -> Path:
+    """``published:NAME`` -> the packaged ``conf/published/NAME.yaml``; anything else is a path."""
+    text = str(config_file)
+    if text.startswith(PUBLISHED_PREFIX):
+        name = text[len(PUBLISHED_PREFIX):]
+        name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+        known = published_configs()
+        if name not in known:
+            raise ConfigError(f"no published config {name!r} (in {PUBLISHED_DIR}); known: "
+                              f"{', '.join(PUBLISHED_PREFIX + n for n in known) or 'none'}")
+        return known[name]
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {config_file}")
+    return path
+
+
+def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str] = None,
+                default_yaml: Optional[Path] = DEFAULT_YAML) -> PipelineConfig:
+    """Merge schema <- default.yaml <- config_file (a path or ``published:NAME``) <- dotlist overrides; validate;
+    return the typed object."""
+    layers = []
+    try:
+        base = OmegaConf.structured(PipelineConfig)
+        if default_yaml is not None:
+            if not Path(default_yaml).is_file():
+                # Never fall back to the schema defaults silently: they differ from default.yaml (limits, sources).
+                raise ConfigError(f"default config not found: {default_yaml} (a broken install? it ships in the "
+                                  "package as conf/default.yaml)")
+            layers.append(OmegaConf.load(default_yaml))
+        if config_file is not None:
+            layers.append(OmegaConf.load(resolve_config_file(config_file)))
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.merge(base, *layers)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"config key '{missing[0]}': mandatory value is missing")
+        cfg = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as err:
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"config key '{_key_of(err)}': {msg}") from None
+    _validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: PipelineConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_sha256(cfg: PipelineConfig) -> str:
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()
+
+
+def write_resolved(cfg: PipelineConfig, folder: Path) -> str:
+    """Write the stage's resolved config and its sha256 next to its outputs; return the digest."""
+    from pipeline.io.storage import location, write_bytes_atomic
+
+    folder = location(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = to_yaml(cfg)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    write_bytes_atomic(text.encode(), folder / "config.yaml")
+    write_bytes_atomic((digest + "\n").encode(), folder / "config.sha256")
+    return digest

@@ -1,0 +1,70 @@
+"""The pipeline's log: one ``[stage] message`` line per event on stdout, through the ``logging`` module.
+
+``blockpilot -q`` shows warnings and the final summary only, the default shows the stages' own lines (one per
+shard, one per few epochs), ``-v`` adds debug lines and lets Ray's, Ray Train's, Ray Data's and transformers'
+own INFO logs and deprecation warnings through (they are silenced by default: they made a default run 900 lines).
+The verbosity travels to Ray workers in the environment (``BLOCKPILOT_VERBOSITY``), which local Ray inherits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+ROOT = "blockpilot"
+ENV = "BLOCKPILOT_VERBOSITY"  # -1 quiet, 0 default, 1 verbose
+
+
+class _StageFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stage = record.name.split(".", 1)[1] if "." in record.name else record.name
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        return f"[{stage}] {level}{record.getMessage()}"
+
+
+def get(stage: str) -> logging.Logger:
+    """The logger of one stage (or part): ``get("label").info(...)`` prints ``[label] ...``."""
+    return logging.getLogger(f"{ROOT}.{stage}")
+
+
+def verbosity() -> int:
+    try:
+        return int(os.environ.get(ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def setup(level: int = 0) -> None:
+    """Configure the log for a command-line run: our lines on stdout at the chosen level, libraries quiet."""
+    os.environ[ENV] = str(level)
+    logger = logging.getLogger(ROOT)
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_StageFormatter())
+    logger.addHandler(handler)
+    logger.setLevel({-1: logging.WARNING, 0: logging.INFO}.get(level, logging.DEBUG))
+    if level < 1:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Libraries' INFO chatter and deprecation warnings off, in this process and (through the environment, which
+    local Ray workers inherit) in Ray's workers."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # Ray Data's execution plans, per dataset and epoch
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:  # transformers absent: nothing to quiet
+        pass
+    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.WARNING)

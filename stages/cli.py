@@ -1,0 +1,130 @@
+"""``blockpilot``: the command line of the pipeline.
+
+    blockpilot STAGE [-c FILE.yaml] [key=value ...]
+    blockpilot validate DIR
+
+Config is merged as schema <- conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from pipeline.runtime.config import ConfigError, PipelineConfig, load_config, to_yaml
+
+EPILOG = """\
+config: one typed schema (pipeline/runtime/config.py) merged as
+  schema <- conf/default.yaml <- -c FILE.yaml <- key=value overrides.
+  -c takes a path or a packaged published config by name, e.g. -c published:qwen3-8b
+  (conf/published/: qwen3-4b, qwen3-8b, llama3.1-8b-instruct, qwen3-coder-30b-a3b).
+Overrides use dotted keys, e.g.
+  blockpilot label output_dir=runs/exp1 decode.max_new_tokens=256 label.k=1
+  blockpilot prepare 'prepare.sources=[{name: mine, kind: jsonl, path: data/p.jsonl, field: text}]'
+Unknown keys, wrong types and missing values fail before any work, naming the key.
+Main keys: output_dir (run folder), force (write into a folder made with another config),
+  model.target / model.draft (hub id, local folder or bundled:NAME), model.dtype, model.device,
+  decode.max_new_tokens, decode.temperature, label.k, label.num_workers, train.epochs, evaluate.limit.
+`blockpilot STAGE --help` shows the stage's own keys and their current values."""
+
+
+def _stage_help(name: str) -> str:
+    from stages import STAGES
+
+    info = STAGES[name]
+    text = f"{info.summary}\n"
+    try:
+        cfg = load_config()
+    except ConfigError as err:  # help must still print with a broken conf/default.yaml
+        return text + f"\n(default config does not load: {err})"
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cfg)
+    shown = {k: OmegaConf.to_container(node[k]) if OmegaConf.is_config(node[k]) else node[k]
+             for k in ("output_dir", "force", "progress", *info.sections)}
+    return text + ("\nkeys it reads (defaults from conf/default.yaml; override with key=value):\n"
+                   + OmegaConf.to_yaml(shown))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from stages import STAGES
+
+    parser = argparse.ArgumentParser(
+        prog="blockpilot",
+        description="BlockPilot pipeline: learn a per-request block size for DFlash speculative decoding.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="stage", metavar="STAGE")
+    sub.required = True
+    for name, info in STAGES.items():
+        p = sub.add_parser(name, help=info.summary, description=_stage_help(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("-c", "--config", metavar="FILE|published:NAME",
+                       help="a YAML file, or published:NAME (a packaged published config, e.g. published:qwen3-8b), "
+                       "merged over the packaged default (conf/default.yaml)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+        p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        p.add_argument("-q", "--quiet", action="count", default=0, help="warnings, errors and the final summary only")
+        p.add_argument("-v", "--verbose", action="count", default=0,
+                       help="debug lines, and Ray's, Ray Train's, Ray Data's and transformers' own logs")
+    v = sub.add_parser("validate", help="check a label dataset folder against its manifest and schema",
+                       description="Check a label dataset (row counts, sha256, labels within candidates, finite "
+                       "tau >= 1 and logits, unique ids) and print its summary. Exit status 1 on any violation.")
+    v.add_argument("dir", help="the label folder (e.g. runs/default/labels)")
+    from stages.submit import SUBMIT_DESCRIPTION, add_arguments
+
+    s = sub.add_parser("submit", help="run a stage on a Ray cluster as a Ray job (uploads the checkout's tracked "
+                       "top-level folders, never venvs or untracked data)", description=SUBMIT_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(s)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.stage == "validate":
+        from pipeline.data.validate import validate_dataset
+
+        report = validate_dataset(args.dir)
+        print(report.render())
+        return 0 if report.ok else 1
+    if args.stage == "submit":
+        from stages.submit import submit_command
+
+        return submit_command(args)
+    from pipeline.runtime.log import setup
+
+    setup(max(-1, min(1, args.verbose - args.quiet)))
+    try:
+        cfg = load_config(args.overrides, args.config)
+    except ConfigError as err:
+        print(f"blockpilot {args.stage}: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg))
+        return 0
+    return run_stage(args.stage, cfg)
+
+
+def run_stage(name: str, cfg: PipelineConfig) -> int:
+    from stages import STAGES
+
+    try:
+        fn = STAGES[name].load()
+    except NotImplementedError as err:
+        print(f"blockpilot {name}: {err}", file=sys.stderr)
+        return 3
+    try:
+        summary = fn(cfg)
+    except (ConfigError, FileExistsError, FileNotFoundError, PermissionError, ValueError) as err:
+        # Expected failures (bad input, drift, unwritable folder): a clear message, no traceback.
+        print(f"blockpilot {name}: error: {err}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

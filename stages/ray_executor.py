@@ -1,0 +1,171 @@
+"""What the Ray stages share: joining or starting Ray, worker placement, and the Ray actor-pool executor of the
+stage driver (:mod:`pipeline.executor.driver`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from pipeline.runtime.config import RayConfig
+from pipeline.executor.driver import Done, Execution, ShardStage, ShardTask, Worker, run_stage, run_task
+from pipeline.runtime.log import get as log
+from pipeline.runtime.log import verbosity as log_verbosity
+
+
+def init_ray(cfg: RayConfig):
+    """Join the cluster (`ray job submit` sets RAY_ADDRESS) or start a local Ray; idempotent."""
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's own INFO lines (driver and workers) only with -v: a default run stays readable.
+        kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True,
+                      logging_level=logging.INFO if log_verbosity() >= 1 else logging.WARNING,
+                      logging_config=ray_logging_config())
+        address = cfg.address or os.environ.get("RAY_ADDRESS")
+        if address and address != "local":
+            ray.init(address=address, **kwargs)
+        else:  # a new local Ray ("local", or nothing to join), with the resources it may advertise
+            ray.init(address=address, num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, **kwargs)
+    return ray
+
+
+@dataclass
+class Placement:
+    """How many workers and what each one asks Ray for: one per GPU when the cluster has GPUs, else CPU actors."""
+
+    num_workers: int
+    num_gpus: float
+    num_cpus: float
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.num_gpus > 0
+
+
+def plan_workers(num_workers: Optional[int], cpus_per_worker: float) -> Placement:
+    import ray
+
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    if gpus > 0:
+        n = min(num_workers, gpus) if num_workers else gpus
+        return Placement(n, 1.0, cpus_per_worker)
+    cpus = resources.get("CPU", 1)
+    # Leave one worker's worth of CPU for the driver and Ray's own tasks.
+    n = num_workers or max(1, int(cpus / cpus_per_worker) - 1)
+    return Placement(n, 0.0, cpus_per_worker)
+
+
+def worker_identity() -> str:
+    """node id (short) and GPU ids of the calling Ray worker, e.g. '8f3a1c2d9e0b/gpu1', or the actor id on CPU."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    node = ctx.get_node_id()[:12]
+    gpus = ray.get_gpu_ids()
+    if gpus:
+        return f"{node}/gpu{','.join(str(int(g)) for g in gpus)}"
+    actor = ctx.get_actor_id()
+    return f"{node}/cpu-{actor[:8]}" if actor else f"{node}/cpu"
+
+
+class StageActor:
+    """One pool actor: the stage object shipped once, ``setup`` once (models loaded), then shard after shard."""
+
+    def __init__(self, stage: ShardStage, threads: int):
+        self.stage = stage
+        self.worker = Worker(worker_identity(), threads)
+        stage.setup(self.worker)
+
+    def info(self) -> Dict[str, Any]:
+        import ray
+
+        return {"identity": self.worker.identity, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], **self.stage.worker_info()}
+
+    def process(self, task: ShardTask) -> Dict[str, Any]:
+        return run_task(self.stage, task, self.worker)
+
+
+class RayActorPool:
+    """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
+    models once. A killed actor is restarted and its in-flight shard retried (``resources().max_retries``); an
+    actor that is gone for good is dropped and its shard listed as failed, and the others carry on."""
+
+    def __init__(self, ray_cfg: RayConfig):
+        self.ray_cfg = ray_cfg
+
+    def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:
+        ray = init_ray(self.ray_cfg)
+        from ray.exceptions import RayActorError, RayTaskError
+
+        res = stage.resources()
+        place = plan_workers(res.num_workers, res.cpus_per_worker)
+        actor_cls = ray.remote(StageActor).options(
+            num_gpus=place.num_gpus, num_cpus=place.num_cpus,
+            max_restarts=res.max_retries, max_task_retries=res.max_retries)
+        threads = max(1, int(place.num_cpus))
+        actors = [actor_cls.remote(stage, threads) for _ in range(min(place.num_workers, len(tasks)))]
+        infos = ray.get([a.info.remote() for a in actors])
+        for info in infos:
+            shown = " ".join(f"{k}={json.dumps(v)}" for k, v in info.items()
+                             if k not in ("identity", "pid", "node_id", "gpu_ids"))
+            log(stage.name).info(f"worker {info['identity']} pid={info['pid']} {shown}")
+        queue = list(tasks)
+        inflight = {}
+        failures: List[str] = []
+
+        def submit(actor):
+            task = queue.pop(0)
+            inflight[actor.process.remote(task)] = (actor, task)
+
+        for a in actors:
+            if queue:
+                submit(a)
+        while inflight:
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            actor, task = inflight.pop(ready[0])
+            try:
+                done(task, ray.get(ready[0]), None)
+            except (RayActorError, RayTaskError) as err:
+                error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                failures.append(f"{task.name}: {error}")
+                done(task, None, error)
+                if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
+                    actor = None
+            if queue and actor is not None:
+                submit(actor)
+            if not inflight and queue:  # every actor is gone: what is left fails, a rerun picks it up
+                failures.extend(f"{t.name}: no worker left" for t in queue)
+                queue.clear()
+        for a in actors:
+            ray.kill(a)
+        return Execution(infos, failures)
+
+
+def execute(stage: ShardStage):
+    """run_stage with the executor the stage's resources ask for."""
+    executor = RayActorPool(stage.cfg.ray) if stage.resources().actors else None
+    return run_stage(stage, executor)
+
+
+def ray_logging_config():
+    """What ``ray.init`` gets for Ray's worker processes: errors only unless -v. Warnings too would let through Ray
+    Train's placement-group cleaner, which warns once a second for a whole run where it finds more than one Ray
+    session on the machine (seen on these 2-core machines: 57 of a 134-line run)."""
+    import ray
+
+    return ray.LoggingConfig(log_level="INFO" if log_verbosity() >= 1 else "ERROR")
+
+
+def ray_train_logging_config():
+    """What Ray Train's RunConfig gets: its per-report "Checkpoint created" / "Reporting training result" lines
+    (two per epoch) only with -v, and its errors always."""
+    import ray.train
+
+    return ray.train.LoggingConfig(log_level="INFO" if log_verbosity() >= 1 else "ERROR")

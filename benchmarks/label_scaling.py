@@ -60,7 +60,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from pipeline.runtime.config import load_config
-    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.executor.driver import run_stage
+    from pipeline.executor.local import LocalExecutor
     from stages.ray_executor import execute
     from stages.label import LabelStage
     from stages.prepare import PrepareStage

@@ -38,7 +38,8 @@ import json, sys, time, torch
 sys.path.insert(0, {root!r})
 torch.set_num_threads(1)
 from pipeline.runtime.config import load_config
-from pipeline.executor.driver import LocalExecutor, run_stage
+from pipeline.executor.driver import run_stage
+from pipeline.executor.local import LocalExecutor
 from stages.label import LabelStage
 cfg = load_config(json.loads(sys.argv[1]))
 t0 = time.perf_counter()
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from pipeline.runtime.config import load_config
-    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.executor.driver import run_stage
+    from pipeline.executor.local import LocalExecutor
     from pipeline.data.validate import validate_dataset
     from stages.prepare import PrepareStage
 

@@ -26,17 +26,17 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pipeline.tiny.measure import DecodeResult, measure_pair  # noqa: E402
+from pipeline.tiny.measure import PairDecode, measure_pair  # noqa: E402
 
 
-def decode(target, draft, input_ids, block_size, max_new_tokens, stop_token_ids) -> DecodeResult:
+def decode(target, draft, input_ids, block_size, max_new_tokens, stop_token_ids) -> PairDecode:
     """One T=0 speculative generation at block size b -> output ids + tokens committed per step, with the
     product's engine (tested step for step against dflash's reference loop)."""
     from pipeline.decoding.engine import Engine
 
     engine = Engine(target, draft, stop_token_ids)
     res = engine.decode(engine.prefill(input_ids), block_size=block_size, max_new_tokens=max_new_tokens)
-    return DecodeResult(res.output_ids, list(res.committed))
+    return PairDecode(res.output_ids, list(res.committed))
 
 
 def load_pair(assets: Path):

@@ -104,10 +104,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    return run_stage(args.stage, cfg)
+    return run_named_stage(args.stage, cfg)
 
 
-def run_stage(name: str, cfg: PipelineConfig) -> int:
+def run_named_stage(name: str, cfg: PipelineConfig) -> int:
+    """Run the stage the CLI names (``blockpilot NAME``) and return its exit code; the driver's
+    :func:`pipeline.executor.driver.run_stage` runs one shard stage object."""
     from stages import STAGES
 
     try:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pyarrow as pa
 
-from pipeline.executor.driver import Plan, Rejects, Resources, ShardStage, Worker, tasks_from_shards
+from pipeline.executor.stage import Plan, Rejects, Resources, ShardStage, Worker, tasks_from_shards
 from pipeline.io.storage import location
 
 

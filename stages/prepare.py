@@ -23,7 +23,7 @@ import pyarrow as pa
 from pipeline.runtime.config import PipelineConfig, SourceConfig
 from pipeline.data.schemas import PROMPTS_SCHEMA, PROMPTS_SCHEMA_VERSION, prompts_card
 from pipeline.io.storage import location
-from pipeline.executor.driver import Plan, Rejects, ShardStage, numbered_tasks
+from pipeline.executor.stage import Plan, Rejects, ShardStage, numbered_tasks
 from pipeline.runtime.log import get as get_log
 from pipeline.data.sources import build_prompts, validate_sources
 

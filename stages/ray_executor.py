@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from pipeline.runtime.config import RayConfig
-from pipeline.executor.driver import Done, Execution, ShardStage, ShardTask, Worker, run_stage, run_task
+from pipeline.executor.driver import run_stage
+from pipeline.executor.local import Done, Execution, run_task
+from pipeline.executor.stage import ShardStage, ShardTask, Worker
 from pipeline.runtime.log import get as log
 from pipeline.runtime.log import verbosity as log_verbosity
 

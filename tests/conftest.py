@@ -61,7 +61,8 @@ def real_labels(tmp_path_factory):
     import torch
 
     from pipeline.runtime.config import load_config
-    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.executor.driver import run_stage
+    from pipeline.executor.local import LocalExecutor
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 

@@ -1,4 +1,5 @@
-"""Prompt sources: readers for every source kind and :func:`build_prompts`, shared by ``prepare`` and ``evaluate``.
+"""Prompt sources: opening every source kind (file readers in :mod:`pipeline.data.readers`) and :func:`build_prompts`,
+shared by ``prepare`` and ``evaluate``.
 
 Free of Ray: plain Python over files, ``datasets`` and the bundled sets.
 
@@ -57,34 +58,31 @@ as an earlier prompt; dropped and counted) and ``wrong_format`` (file-level, see
 
 from __future__ import annotations
 
-import _string  # the str.format field-name parser (CPython's, used by string.Formatter)
 import hashlib
-import json
-import string
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from pipeline.runtime.config import ConfigError, SourceConfig
+from pipeline.data.prompt_text import check_template, row_text, text_problem
+from pipeline.data.readers import (
+    EXTENSIONS,
+    Record,
+    Reject,
+    RowCounter,
+    list_files,
+    read_source_file,
+    sharegpt_fields,
+)
 from pipeline.data.schemas import prompt_id
+from pipeline.runtime.config import ConfigError, SourceConfig
 
 REJECT_REASONS = ("empty", "undecodable", "missing_field", "wrong_type", "malformed_json", "nul_bytes", "too_long",
                   "duplicate", "wrong_format")
 FILE_KINDS = ("jsonl", "json", "parquet", "text")
-EXTENSIONS = {
-    "jsonl": (".jsonl",),
-    "json": (".json",),
-    "parquet": (".parquet",),
-    "text": (".txt",),
-    "sharegpt": (".json", ".jsonl"),
-}
 BUNDLED_SPLITS = (None, "label", "eval")
-HUMAN_ROLES = ("human", "user")
 DETAIL_CHARS = 200
-NUL = b"\x00"
-BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark at the start of a file is dropped
 
 
 def bundled_split(bundled_id: str) -> str:
@@ -92,32 +90,9 @@ def bundled_split(bundled_id: str) -> str:
     return "eval" if int(hashlib.sha256(str(bundled_id).encode("utf-8")).hexdigest()[:8], 16) % 10 == 0 else "label"
 
 
-# ---- records -----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Reject:
-    reason: str
-    detail: str
-    row: Optional[int] = None  # source_row; None for a file-level reject
-    file: Optional[str] = None
-    prompt_id: Optional[str] = None
-
-
-@dataclass
-class Record:
-    row: int
-    fields: Dict[str, Any]
-    file: Optional[str] = None
-
-
 def _short(text: str) -> str:
     text = str(text)
     return text if len(text) <= DETAIL_CHARS else text[: DETAIL_CHARS - 3] + "..."
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 # ---- path checks -------------------------------------------------------------------------------------------------
@@ -147,7 +122,7 @@ def validate_sources(sources: Sequence[SourceConfig], section: str = "prepare") 
     for i, src in enumerate(sources):
         key = f"{section}.sources[{i}]"
         if src.template is not None:
-            _check_template(src.template, f"{key}.template")
+            check_template(src.template, f"{key}.template")
         if src.kind == "bundled":
             from pipeline.data.bundled import list_bundled
 
@@ -165,240 +140,6 @@ def validate_sources(sources: Sequence[SourceConfig], section: str = "prepare") 
                 raise FileNotFoundError(f"{_src_label(src)}: path does not exist (and it is not a hub id)")
         else:
             raise ConfigError(f"config key '{key}.kind': {src.kind!r} is not a source kind")
-
-
-def _check_template(template: str, key: str) -> None:
-    try:
-        parsed = list(string.Formatter().parse(template))
-        firsts = [(name, _string.formatter_field_name_split(name)[0] if name else "")
-                  for _, name, _, _ in parsed if name is not None]
-    except ValueError as err:
-        raise ConfigError(f"config key '{key}': not a valid str.format template: {err}") from None
-    for name, first in firsts:
-        if name == "" or isinstance(first, int):
-            raise ConfigError(f"config key '{key}': positional fields ('{{}}', '{{0}}') are not allowed; "
-                              "name the row's field, e.g. '{question}'")
-
-
-# ---- text extraction ---------------------------------------------------------------------------------------------
-
-
-class _FieldProblem(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-class _RowFormatter(string.Formatter):
-    """str.format over a row that reports missing keys / wrong types instead of formatting garbage."""
-
-    def get_field(self, field_name, args, kwargs):
-        first, rest = _string.formatter_field_name_split(field_name)
-        if first not in kwargs:
-            raise _FieldProblem("missing_field", f"template key {first!r} not in the row")
-        obj, path = kwargs[first], str(first)
-        for is_attr, key in rest:
-            if obj is None:
-                raise _FieldProblem("missing_field", f"template field {path!r} is null")
-            if isinstance(obj, (str, bytes)):
-                raise _FieldProblem("wrong_type", f"template indexes into {path!r}, a string")
-            try:
-                obj = getattr(obj, key) if is_attr else obj[key]
-            except (KeyError, IndexError):
-                raise _FieldProblem("missing_field", f"template field {path}[{key!r}] is absent") from None
-            except (TypeError, AttributeError):
-                raise _FieldProblem("wrong_type", f"template field {path!r} ({_type_name(obj)}) has no "
-                                    f"{'attribute' if is_attr else 'item'} {key!r}") from None
-            path += f".{key}" if is_attr else f"[{key!r}]"
-        return obj, first
-
-    def format_field(self, value, format_spec):
-        if value is None:
-            raise _FieldProblem("missing_field", "a template field is null")
-        if isinstance(value, (dict, list, tuple, bytes, bytearray)):
-            raise _FieldProblem("wrong_type", f"a template field is a {_type_name(value)}, not a scalar")
-        return super().format_field(value, format_spec)
-
-
-_FORMATTER = _RowFormatter()
-
-
-def row_text(src: SourceConfig, fields: Dict[str, Any], default_field: Optional[str] = None) -> Tuple[Optional[str], Optional[Tuple[str, str]]]:
-    """The prompt text of one row: the template, else the field. Returns (text, None) or (None, (reason, detail))."""
-    if src.template is not None:
-        try:
-            text = _FORMATTER.vformat(src.template, (), fields)
-        except _FieldProblem as p:
-            return None, (p.reason, p.detail)
-        except (ValueError, TypeError) as err:  # e.g. a format spec that does not fit the value
-            return None, ("wrong_type", f"template does not apply: {err}")
-    else:
-        name = default_field or src.field
-        if name is None:
-            return None, ("missing_field", "source has neither `field` nor `template`")
-        if name not in fields:
-            return None, ("missing_field", f"field {name!r} not in the row (has {', '.join(map(str, list(fields)[:8]))})")
-        text = fields[name]
-        if text is None:
-            return None, ("missing_field", f"field {name!r} is null")
-        if not isinstance(text, str):
-            return None, ("wrong_type", f"field {name!r} is {_type_name(text)}, not a string")
-    return text, None
-
-
-def text_problem(text: str) -> Optional[Tuple[str, str]]:
-    """``undecodable`` (lone surrogates), ``nul_bytes`` or ``empty``; None when the text is usable."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        return "undecodable", (f"lone surrogate U+{ord(text[err.start]):04X} at character {err.start} (an invalid "
-                               "UTF-8 byte or an unpaired \\u escape)")
-    if "\x00" in text:
-        return "nul_bytes", f"NUL character at position {text.index(chr(0))}"
-    if not text.strip():
-        return "empty", "empty prompt" if not text else "whitespace-only prompt"
-    return None
-
-
-# ---- readers -----------------------------------------------------------------------------------------------------
-
-
-def _list_files(root: Path, kind: str) -> Tuple[List[Path], List[Path]]:
-    """(files of the kind, other files) under a folder, recursively, sorted, hidden files / folders ignored."""
-    keep, other = [], []
-    for p in sorted(root.rglob("*"), key=lambda q: q.relative_to(root).as_posix()):
-        rel = p.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
-            continue
-        (keep if p.name.lower().endswith(EXTENSIONS[kind]) else other).append(p)
-    return keep, other
-
-
-class _Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def next(self) -> int:
-        n = self.n
-        self.n += 1
-        return n
-
-
-def _decoded_lines(path: Path, rows: _Counter) -> Iterator[Any]:
-    """Non-blank lines of a line-oriented file, decoded one by one so a bad line rejects only itself: yields
-    (row, where, text) or a Reject (NUL byte, invalid UTF-8). Strips a leading BOM and CR/LF endings."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            line = raw.rstrip(b"\r\n")
-            if lineno == 1 and line.startswith(BOM):
-                line = line[len(BOM):]
-            if not line.strip():
-                continue
-            where = f"{path.name}:{lineno}"
-            row = rows.next()
-            if NUL in line:
-                yield Reject("nul_bytes", f"{where}: NUL byte in the line", row, str(path))
-                continue
-            try:
-                yield row, where, line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield Reject("undecodable", f"{where}: invalid UTF-8 at byte {err.start}", row, str(path))
-
-
-def _read_jsonl(path: Path, rows: _Counter) -> Iterator[Any]:
-    for item in _decoded_lines(path, rows):
-        if isinstance(item, Reject):
-            yield item
-            continue
-        row, where, decoded = item
-        try:
-            obj = json.loads(decoded)
-        except json.JSONDecodeError as err:
-            yield Reject("malformed_json", f"{where}: {err.msg} at column {err.colno}", row, str(path))
-            continue
-        if not isinstance(obj, dict):
-            yield Reject("wrong_type", f"{where}: line is a JSON {_type_name(obj)}, not an object", row,
-                         str(path))
-            continue
-        yield Record(row, obj, str(path))
-
-
-def _read_json(path: Path, rows: _Counter) -> Iterator[Any]:
-    raw = path.read_bytes()
-    if raw.startswith(BOM):
-        raw = raw[len(BOM):]
-    # surrogateescape: invalid bytes inside a string become lone surrogates and reject only that row.
-    try:
-        obj = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-    except json.JSONDecodeError as err:
-        yield Reject("malformed_json", f"{path.name}: {err.msg} at line {err.lineno} column {err.colno}", None,
-                     str(path))
-        return
-    if not isinstance(obj, list):
-        yield Reject("wrong_type", f"{path.name}: top-level JSON value is {_type_name(obj)}, not an array of "
-                     "objects", None, str(path))
-        return
-    for i, item in enumerate(obj):
-        row = rows.next()
-        if not isinstance(item, dict):
-            yield Reject("wrong_type", f"{path.name}[{i}]: element is a JSON {_type_name(item)}, not an object", row,
-                         str(path))
-            continue
-        yield Record(row, item, str(path))
-
-
-def _read_parquet(path: Path, rows: _Counter) -> Iterator[Any]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is one file-level reject
-        yield Reject("wrong_format", f"{path.name}: not a readable parquet file ({type(err).__name__})", None,
-                     str(path))
-        return
-    for batch in pf.iter_batches(batch_size=1024):
-        for item in batch.to_pylist():
-            yield Record(rows.next(), item, str(path))
-
-
-def _read_text_lines(path: Path, rows: _Counter) -> Iterator[Any]:
-    for item in _decoded_lines(path, rows):
-        yield item if isinstance(item, Reject) else Record(item[0], {"text": item[2]}, str(path))
-
-
-def _read_text_file(path: Path, rows: _Counter) -> Iterator[Any]:
-    raw = path.read_bytes().rstrip(b"\r\n")
-    if raw.startswith(BOM):
-        raw = raw[len(BOM):]
-    row = rows.next()
-    if NUL in raw:
-        yield Reject("nul_bytes", f"{path.name}: NUL byte at byte {raw.index(NUL)}", row, str(path))
-        return
-    try:
-        yield Record(row, {"text": raw.decode("utf-8")}, str(path))
-    except UnicodeDecodeError as err:
-        yield Reject("undecodable", f"{path.name}: invalid UTF-8 at byte {err.start}", row, str(path))
-
-
-def sharegpt_fields(item: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], Optional[Tuple[str, str]]]:
-    """The row's fields plus ``text`` = its first human turn, or (None, (reason, detail))."""
-    conv = item.get("conversations", item.get("messages")) if isinstance(item, dict) else None
-    if conv is None:
-        return None, ("missing_field", "no 'conversations' in the row")
-    if not isinstance(conv, (list, tuple)):
-        return None, ("wrong_type", f"'conversations' is {_type_name(conv)}, not a list")
-    for turn in conv:
-        if not isinstance(turn, dict):
-            return None, ("wrong_type", f"a conversation turn is {_type_name(turn)}, not an object")
-        role = turn.get("from", turn.get("role"))
-        if isinstance(role, str) and role.lower() in HUMAN_ROLES:
-            value = turn.get("value", turn.get("content"))
-            if value is None:
-                return None, ("missing_field", "the first human turn has no 'value'")
-            if not isinstance(value, str):
-                return None, ("wrong_type", f"the first human turn's value is {_type_name(value)}, not a string")
-            return {**item, "text": value}, None
-    return None, ("missing_field", "no human turn in the conversation")
 
 
 # ---- opened sources ----------------------------------------------------------------------------------------------
@@ -447,22 +188,22 @@ def _hf_records(ds) -> Callable[[], Iterator[Any]]:
     return gen
 
 
-def _file_records(src: SourceConfig, opened: _Opened, reader_for: Callable[[Path], Callable]) -> None:
+def _file_records(src: SourceConfig, opened: _Opened, per_file: bool = False) -> None:
     root = _local(src.path)
     if root.is_dir():
-        files, other = _list_files(root, src.kind)
+        files, other = list_files(root, src.kind)
     else:
         files, other = [root], []
     opened.files = [str(p) for p in files]
 
     def gen():
-        rows = _Counter()
+        rows = RowCounter()
         for p in other:
             yield Reject("wrong_format", f"{p.relative_to(root).as_posix()}: not a {'/'.join(EXTENSIONS[src.kind])} "
                          f"file (kind {src.kind}); skipped", None, str(p))
         for p in files:
             n_items = 0
-            for item in reader_for(p)(p, rows):
+            for item in read_source_file(p, rows, src.kind, per_file):
                 n_items += 1
                 yield item
             if n_items == 0:  # a 0-row file (a broken file is a reject instead)
@@ -493,16 +234,14 @@ def open_source(src: SourceConfig) -> _Opened:
     elif src.kind == "sharegpt":
         opened.default_field, opened.sharegpt = "text", True
         if _local(src.path).exists():
-            _file_records(src, opened, lambda p: _read_jsonl if p.suffix.lower() == ".jsonl" else _read_json)
+            _file_records(src, opened)
         else:
             opened.records = _hf_records(_load_hf(src))
     elif src.kind == "text":
         opened.default_field = "text"
-        per_file = _local(src.path).is_dir()
-        _file_records(src, opened, lambda p: _read_text_file if per_file else _read_text_lines)
+        _file_records(src, opened, per_file=_local(src.path).is_dir())
     elif src.kind in ("jsonl", "json", "parquet"):
-        reader = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet}[src.kind]
-        _file_records(src, opened, lambda p: reader)
+        _file_records(src, opened)
     else:  # validate_sources catches this first
         raise ConfigError(f"source {src.name!r}: unknown kind {src.kind!r}")
     return opened

@@ -1,7 +1,9 @@
 """Build the embedded default tiny target + DFlash draft pair and the bundled prompt sets.
 
-    python -m pipeline.tiny.build --out pipeline/assets            # full build (~30 min, 2 cores)
-    python -m pipeline.tiny.build --out /tmp/tiny --quick          # smoke run (~2 min)
+    python -m pipeline.tiny.build --out pipeline/assets            # full build
+    python -m pipeline.tiny.build --out /tmp/tiny --quick          # smoke run
+
+(Build times: benchmarks/results/tiny-build.md.)
 
 Steps (all seeded):
   1. corpus: the running interpreter's stdlib sources (tests, IDLE, site-packages, generated
@@ -23,446 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.tiny import data as tdata
-
-EOS = "<|endoftext|>"
-MASK = "<|mask|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-)
-BLOCK_SIZE = 8
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# ----------------------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------------------
-
-
-def train_tokenizer(train_files, vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS, MASK],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((f.text for f in train_files), trainer=trainer, length=len(train_files))
-    return tok
-
-
-def save_tokenizer(tok, out_dir: Path):
-    """Save as a transformers fast tokenizer; the chat template goes into tokenizer_config.json."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=EOS,
-        unk_token=None,
-        additional_special_tokens=[MASK],
-        model_max_length=1024,
-        clean_up_tokenization_spaces=False,
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    hf.save_pretrained(out_dir, save_jinja_files=False)
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE  # keep it in tokenizer_config.json whatever the version
-    cfg["mask_token"] = MASK
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    stray = out_dir / "chat_template.jinja"
-    if stray.exists():
-        stray.unlink()
-    return hf
-
-
-# ----------------------------------------------------------------------------------------
-# Target
-# ----------------------------------------------------------------------------------------
-
-
-def target_config(vocab_size: int, eos_id: int, args):
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.target_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 4,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        use_cache=True,
-    )
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    return cfg
-
-
-def encode_files(tok, files, eos_id: int) -> torch.Tensor:
-    ids: list[int] = []
-    for enc in tok.encode_batch([f.text for f in files], add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def lr_at(progress: float, peak: float, warmup_frac: float = 0.04, floor: float = 0.1) -> float:
-    """Linear warmup over the first `warmup_frac` of training, then cosine down to floor*peak."""
-    if progress < warmup_frac:
-        return peak * max(progress, 1e-3) / warmup_frac
-    prog = (progress - warmup_frac) / (1 - warmup_frac)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
-
-
-class Budget:
-    """Training length: `steps`, optionally capped by `minutes` of wall time.
-
-    Progress (which drives the LR schedule) is max(step / steps, elapsed / minutes), so a run
-    on an idle machine is step-exact (deterministic), and a run on a busy (shared) machine
-    still finishes its schedule -- with fewer steps -- within the time cap.
-    """
-
-    def __init__(self, steps: int, minutes: float | None):
-        self.steps, self.seconds = steps, (minutes * 60 if minutes else None)
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def progress(self, step: int) -> float:
-        p = step / self.steps
-        if self.seconds:
-            p = max(p, self.elapsed() / self.seconds)
-        return p
-
-
-def _param_groups(model, wd: float):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-@torch.no_grad()
-def eval_lm(model, val_ids: torch.Tensor, seq: int, n_windows: int) -> float:
-    model.eval()
-    n = min(n_windows, (len(val_ids) - 1) // seq)
-    losses = []
-    for i in range(0, n, 16):
-        starts = [j * seq for j in range(i, min(n, i + 16))]
-        x = torch.stack([val_ids[s : s + seq + 1] for s in starts])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x[:, :-1], use_cache=False).logits
-        losses.append(
-            F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).item()
-            * len(starts)
-        )
-    model.train()
-    return sum(losses) / max(1, n)
-
-
-def train_target(cfg, train_ids, val_ids, args, history: dict):
-    from transformers import Qwen3ForCausalLM
-
-    seed_all(args.seed + 1)
-    model = Qwen3ForCausalLM(cfg).float()
-    model.train()
-    opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=args.target_lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed + 2)
-    seq, bs, steps = args.seq_len, args.target_batch, args.target_steps
-    hi = len(train_ids) - seq - 1
-    budget = Budget(steps, args.target_minutes)
-    t0 = budget.t0
-    run = []
-    step = 0
-    while True:
-        prog = budget.progress(step)
-        if prog >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(prog, args.target_lr)
-        starts = torch.randint(0, hi, (bs,), generator=gen)
-        x = torch.stack([train_ids[s : s + seq + 1] for s in starts.tolist()])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        run.append(loss.item())
-        last = budget.progress(step + 1) >= 1.0
-        if (step + 1) % args.log_every == 0 or last:
-            el = time.perf_counter() - t0
-            tr = sum(run) / len(run)
-            run = []
-            msg = f"target step {step + 1}/{steps} train {tr:.3f} lr {lr_at(prog, args.target_lr):.2e}"
-            rec = {"step": step + 1, "train_loss": round(tr, 4), "seconds": round(el, 1)}
-            if (step + 1) % (args.log_every * 4) == 0 or last:
-                vl = eval_lm(model, val_ids, seq, args.val_windows)
-                rec["val_loss"] = round(vl, 4)
-                msg += f" val {vl:.3f}"
-            history["target"].append(rec)
-            _log(f"{msg} ({el:.0f} s, {(step + 1) * bs * seq / el:.0f} tok/s)")
-        step += 1
-    history["target_seconds"] = round(time.perf_counter() - t0, 1)
-    history["target_steps_done"] = step
-    model.eval()
-    return model
-
-
-# ----------------------------------------------------------------------------------------
-# Draft data: continuations generated by the target
-# ----------------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def greedy_batch(model, input_ids: torch.Tensor, n_new: int) -> torch.Tensor:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1)
-    toks = [nxt]
-    for _ in range(n_new - 1):
-        out = model(nxt[:, None], past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1)
-        toks.append(nxt)
-    return torch.stack(toks, dim=1)
-
-
-@torch.inference_mode()
-def make_draft_data(target, train_ids: torch.Tensor, eos_id: int, layer_ids, args, history):
-    """Groups of equal-length sequences: prompt (training text) + greedy target continuation.
-
-    Returns a list of dicts with ids [G, L] (int32), feats [G, L, k*H] (bfloat16: the target
-    hidden states of `layer_ids`, concatenated as dflash's extract_context_feature does),
-    prompt_len P and last [G] (index of the last usable token: first eos or L-1).
-    """
-    from dflash.model import extract_context_feature
-
-    rng = np.random.default_rng(args.seed + 3)
-    groups = []
-    t0 = time.perf_counter()
-    for gi in range(args.gen_groups):
-        P = int(rng.integers(args.gen_prompt_min, args.gen_prompt_max + 1))
-        starts = rng.integers(0, len(train_ids) - P - 1, size=args.gen_batch)
-        prompts = torch.stack([train_ids[s : s + P] for s in starts.tolist()])
-        cont = greedy_batch(target, prompts, args.gen_new)
-        ids = torch.cat([prompts, cont], dim=1)
-        L = ids.shape[1]
-        last = torch.full((ids.shape[0],), L - 1, dtype=torch.long)
-        is_eos = cont == eos_id
-        has = is_eos.any(dim=1)
-        first = is_eos.float().argmax(dim=1) + P
-        last[has] = first[has]
-        feats = []
-        for j in range(0, ids.shape[0], 32):
-            out = target(ids[j : j + 32], use_cache=False, output_hidden_states=True)
-            feats.append(extract_context_feature(out.hidden_states, layer_ids).to(torch.bfloat16))
-        groups.append(
-            {"ids": ids.to(torch.int32), "feats": torch.cat(feats), "P": P, "last": last}
-        )
-        if (gi + 1) % max(1, args.gen_groups // 8) == 0 or gi == args.gen_groups - 1:
-            _log(
-                f"draft data: group {gi + 1}/{args.gen_groups} (P={P}, L={L}, "
-                f"{time.perf_counter() - t0:.0f} s)"
-            )
-    n_seq = sum(g["ids"].shape[0] for g in groups)
-    n_gen = sum(int((g["last"] - g["P"] + 1).sum()) for g in groups)
-    history["draft_data"] = {
-        "sequences": n_seq,
-        "generated_tokens": n_gen,
-        "prompt_len_range": [args.gen_prompt_min, args.gen_prompt_max],
-        "new_tokens": args.gen_new,
-        "decoding": "greedy (T=0)",
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    return groups
-
-
-def sample_example(group, rows, n_anchors: int, B: int, gen: torch.Generator, mask_id: int):
-    """Anchors, block inputs, labels, weights, positions and attention mask for one batch."""
-    ids = group["ids"][rows].long()  # [S, L]
-    S, L = ids.shape
-    P = group["P"]
-    last = group["last"][rows]  # [S]
-    pos = torch.arange(L)
-    # anchor p needs p >= P (generated region) and p + 1 <= last (at least one label)
-    valid = (pos[None, :] >= P) & (pos[None, :] <= (last[:, None] - 1))
-    weights = valid.float() + 1e-12 * (~valid).float()
-    replace = int(valid.sum(1).min()) < n_anchors
-    anchors = torch.multinomial(weights, n_anchors, replacement=replace, generator=gen)  # [S, A]
-    anchors, _ = anchors.sort(dim=1)
-    offs = torch.arange(B)
-    blk_pos = anchors[:, :, None] + offs  # [S, A, B]
-    blk_pos_c = blk_pos.clamp(max=L - 1)
-    tokens = torch.gather(ids, 1, blk_pos_c.view(S, -1)).view(S, n_anchors, B)
-    block_in = torch.full_like(tokens, mask_id)
-    block_in[:, :, 0] = tokens[:, :, 0]
-    labels = tokens[:, :, 1:]  # [S, A, B-1]
-    label_ok = blk_pos[:, :, 1:] <= last[:, None, None]
-    # attention: block i sees context keys j < p_i and its own block (no causal mask)
-    q = n_anchors * B
-    ctx_vis = pos[None, None, :] < anchors[:, :, None]  # [S, A, L]
-    ctx_vis = ctx_vis[:, :, None, :].expand(S, n_anchors, B, L).reshape(S, q, L)
-    blk_id = torch.arange(n_anchors).repeat_interleave(B)
-    blk_vis = (blk_id[:, None] == blk_id[None, :])[None].expand(S, q, q)
-    attn = torch.cat([ctx_vis, blk_vis], dim=2)[:, None]  # [S, 1, q, L + q]
-    position_ids = torch.cat([pos[None].expand(S, L), blk_pos.view(S, q)], dim=1)
-    return block_in.view(S, q), labels, label_ok, attn, position_ids
-
-
-def draft_config(tcfg, mask_id: int, layer_ids, args):
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(
-        vocab_size=tcfg.vocab_size,
-        hidden_size=tcfg.hidden_size,
-        intermediate_size=args.draft_intermediate,
-        num_hidden_layers=args.draft_layers,
-        num_attention_heads=tcfg.num_attention_heads,
-        num_key_value_heads=tcfg.num_key_value_heads,
-        head_dim=tcfg.head_dim,
-        max_position_embeddings=tcfg.max_position_embeddings,
-        rope_theta=10000.0,
-        rms_norm_eps=tcfg.rms_norm_eps,
-        tie_word_embeddings=False,
-        bos_token_id=tcfg.eos_token_id,
-        eos_token_id=tcfg.eos_token_id,
-        pad_token_id=tcfg.pad_token_id,
-        use_cache=True,
-    )
-    cfg.architectures = ["DFlashDraftModel"]
-    cfg.num_target_layers = tcfg.num_hidden_layers
-    cfg.block_size = BLOCK_SIZE
-    cfg.dflash_config = {
-        "block_size": BLOCK_SIZE,
-        "mask_token_id": mask_id,
-        "target_layer_ids": list(layer_ids),
-    }
-    return cfg
-
-
-def train_draft(target, groups, dcfg, mask_id: int, args, history):
-    from dflash.model import DFlashDraftModel
-
-    seed_all(args.seed + 4)
-    draft = DFlashDraftModel(dcfg).float()
-    draft.train()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    emb = target.get_input_embeddings().weight  # frozen, shared
-    head = target.lm_head
-    B = BLOCK_SIZE
-    gamma = args.gamma
-    w_k = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)  # k=1..B-1 -> exp(-(k-1)/g)
-    opt = torch.optim.AdamW(_param_groups(draft, 0.01), lr=args.draft_lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed + 5)
-    steps = args.draft_steps
-    budget = Budget(steps, args.draft_minutes)
-    t0 = budget.t0
-    run_loss, run_acc = [], []
-    sizes = torch.tensor([g["ids"].shape[0] for g in groups], dtype=torch.float)
-    step = 0
-    while True:
-        prog = budget.progress(step)
-        if prog >= 1.0:
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(prog, args.draft_lr)
-        gi = int(torch.multinomial(sizes, 1, generator=gen))
-        group = groups[gi]
-        rows = torch.randperm(group["ids"].shape[0], generator=gen)[: args.draft_batch]
-        block_in, labels, label_ok, attn, position_ids = sample_example(
-            group, rows, args.anchors, B, gen, mask_id
-        )
-        S, A = labels.shape[:2]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            noise = F.embedding(block_in, emb)
-            hidden = draft(
-                position_ids=position_ids,
-                attention_mask=attn,
-                noise_embedding=noise,
-                target_hidden=group["feats"][rows],
-            )
-            hidden = hidden.view(S, A, B, -1)[:, :, 1:]
-            logits = draft.compute_logits(hidden, head).float()
-        ce = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
-        ).view(S, A, B - 1)
-        w = w_k.view(1, 1, -1) * label_ok.float()
-        loss = (w * ce).sum() / w.sum().clamp_min(1e-6)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            hit = (logits.argmax(-1) == labels) & label_ok
-            # expected accepted length per block under greedy verification (prefix of hits)
-            acc_len = (hit.int().cumprod(dim=-1).sum(-1)).float().mean().item()
-        run_loss.append(loss.item())
-        run_acc.append(acc_len)
-        last = budget.progress(step + 1) >= 1.0
-        if (step + 1) % args.log_every == 0 or last:
-            el = time.perf_counter() - t0
-            rec = {
-                "step": step + 1,
-                "loss": round(sum(run_loss) / len(run_loss), 4),
-                "train_block_tau": round(1 + sum(run_acc) / len(run_acc), 3),
-                "seconds": round(el, 1),
-            }
-            history["draft"].append(rec)
-            _log(
-                f"draft step {step + 1}/{steps} loss {rec['loss']:.3f} "
-                f"block tau(train, B={B}) {rec['train_block_tau']:.2f} ({el:.0f} s)"
-            )
-            run_loss, run_acc = [], []
-        step += 1
-    history["draft_seconds"] = round(time.perf_counter() - t0, 1)
-    history["draft_steps_done"] = step
-    draft.eval()
-    return draft
-
-
-# ----------------------------------------------------------------------------------------
-# Prompts, cards
-# ----------------------------------------------------------------------------------------
+from pipeline.tiny.cards import n_params, write_cards
+from pipeline.tiny.configs import make_draft_config, make_target_config
+from pipeline.tiny.draft_training import make_draft_data, train_draft
+from pipeline.tiny.tokenizer import EOS, MASK, encode_files, save_tokenizer, train_tokenizer
+from pipeline.tiny.training import eval_lm, log, seed_all, train_target
 
 
 def write_prompts(heldout_files, hf_tok, out_dir: Path, n: int, seed: int) -> list[dict]:
@@ -473,120 +47,6 @@ def write_prompts(heldout_files, hf_tok, out_dir: Path, n: int, seed: int) -> li
         for p in prompts:
             f.write(json.dumps({"id": p["id"], "text": p["text"]}, ensure_ascii=False) + "\n")
     return prompts
-
-
-def n_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _loss_table(rows, keys) -> str:
-    out = ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys)]
-    for r in rows:
-        out.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
-    return "\n".join(out)
-
-
-def write_cards(out: Path, meta: dict, history: dict, report_md: str | None) -> None:
-    tgt, drf = meta["target"], meta["draft"]
-    tau_section = (
-        "## Measured acceptance length\n\n"
-        f"{meta['measure_desc']}\n\n{report_md}\n"
-        if report_md
-        else "## Measured acceptance length\n\nNot measured in this build (`--eval-prompts 0`).\n"
-    )
-    common = (
-        f"Built by `{meta['command']}` (seed {meta['seed']}, torch {torch.__version__}, "
-        f"{meta['threads']} CPU threads) in {meta['build_minutes']:.1f} minutes.\n\n"
-        f"{meta['length_note']}\n\n"
-        "## Data\n\n"
-        f"- Corpus: {meta['corpus']} (tests, `idlelib`, `site-packages`, `pydoc_data`, "
-        "`encodings`, `turtledemo`, `ensurepip` and `test_*` files excluded). Python Software "
-        "Foundation License.\n"
-        f"- Training split: {meta['train_corpus']}; held-out split: {meta['heldout_corpus']} "
-        f"(files with sha1(relative path) % 100 < {tdata.HELDOUT_PERCENT}), used only for "
-        "validation and the `stdlib-heldout` prompts.\n"
-    )
-    target_card = f"""---
-license: psf-2.0
-library_name: transformers
-pipeline_tag: text-generation
----
-# tiny-target
-
-A tiny Qwen3-architecture base code model, the embedded default target of the
-blockpilot-pipeline (for tests and CPU smoke runs; it writes plausible but repetitive
-Python). Not useful for anything else.
-
-{common}
-## Model
-
-- `Qwen3ForCausalLM`: hidden {tgt['hidden']}, {tgt['layers']} layers, 4 heads (2 KV heads,
-  head_dim {tgt['hidden'] // 4}), intermediate {tgt['intermediate']}, tied embeddings,
-  vocab {meta['vocab_size']}; **{tgt['params']:,} parameters**; weights stored in float16.
-- Tokenizer: byte-level BPE (HF `tokenizers`), vocab {meta['vocab_size']}, special tokens
-  `{EOS}` (id {meta['eos_id']}, eos and pad) and `{MASK}` (id {meta['mask_id']}, the DFlash mask
-  token). Chat template (renders the message contents raw; this is a base model):
-  `{CHAT_TEMPLATE}`.
-
-## Training
-
-{tgt['steps']} steps of AdamW (peak lr {tgt['lr']}, 4% warmup, cosine to 10%, weight decay
-0.1, grad clip 1.0), batch {tgt['batch']} x {tgt['seq_len']} tokens (random windows of the
-training files joined by `{EOS}`), bf16 autocast on CPU; {history['target_seconds']:.0f} s;
-{meta['train_tokens']:,} training tokens, {meta['val_tokens']:,} held-out tokens.
-
-{_loss_table(history['target'], ['step', 'train_loss', 'val_loss', 'seconds'])}
-
-{tau_section}
-(draft: `../tiny-draft`)
-"""
-    draft_card = f"""---
-license: psf-2.0
-library_name: transformers
----
-# tiny-draft
-
-A DFlash block-diffusion draft (`dflash.model.DFlashDraftModel`, dflash 0.1.0) for
-`../tiny-target`, trained block size B = {BLOCK_SIZE}. It has no embedding or lm_head of its own:
-it reads the target's (frozen) embedding table for the block tokens and the target's lm_head
-for logits, exactly as `dflash.model.dflash_generate` does.
-
-{common}
-## Model
-
-- {drf['layers']} draft layer(s), hidden {tgt['hidden']}, intermediate {drf['intermediate']},
-  context features from target layers {drf['layer_ids']} (`fc`: {len(drf['layer_ids'])} x
-  {tgt['hidden']} -> {tgt['hidden']}); **{drf['params']:,} parameters**; float16 weights.
-- config: `num_target_layers` = {tgt['layers']}, `dflash_config` =
-  `{json.dumps(drf['dflash_config'])}`.
-
-## Training
-
-- Data: {history['draft_data']['sequences']:,} sequences = a prompt of
-  {history['draft_data']['prompt_len_range'][0]}-{history['draft_data']['prompt_len_range'][1]}
-  training-split tokens + {history['draft_data']['new_tokens']} tokens generated by the
-  float16-rounded target with greedy decoding ({history['draft_data']['generated_tokens']:,}
-  generated tokens, {history['draft_data']['seconds']:.0f} s).
-- Objective (DFlash / SpecForge recipe): {drf['anchors']} random anchors p per sequence in the
-  generated region; block input `[x_p, {MASK} x {BLOCK_SIZE - 1}]` at positions p..p+{BLOCK_SIZE - 1};
-  keys/values = context features of positions < p plus the block itself (no causal mask inside
-  a block, blocks do not see each other); block position k >= 1 predicts x[p+k] with weight
-  exp(-(k-1)/{drf['gamma']}); loss = sum(w CE) / sum(w).
-- {drf['steps']} steps of AdamW (peak lr {drf['lr']}, 4% warmup, cosine to 10%, grad clip 1.0),
-  {drf['batch']} sequences x {drf['anchors']} blocks per step, bf16 autocast;
-  {history['draft_seconds']:.0f} s. `train_block_tau` = 1 + mean accepted prefix of the
-  draft's argmax against the labels.
-
-{_loss_table(history['draft'], ['step', 'loss', 'train_block_tau', 'seconds'])}
-
-{tau_section}"""
-    (out / "tiny-target" / "README.md").write_text(target_card)
-    (out / "tiny-draft" / "README.md").write_text(draft_card)
-
-
-# ----------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
@@ -668,17 +128,17 @@ def main(argv=None) -> int:
 
     files = tdata.collect_sources()
     train_files, heldout_files = tdata.split_sources(files)
-    _log(f"corpus: {tdata.corpus_description(files)}; held out {len(heldout_files)} files")
+    log(f"corpus: {tdata.corpus_description(files)}; held out {len(heldout_files)} files")
 
     tok = train_tokenizer(train_files, args.vocab_size)
     eos_id, mask_id = tok.token_to_id(EOS), tok.token_to_id(MASK)
     hf_tok = save_tokenizer(tok, out / "tiny-target")
     vocab = tok.get_vocab_size()
-    _log(f"tokenizer: vocab {vocab}, eos {eos_id}, mask {mask_id}")
+    log(f"tokenizer: vocab {vocab}, eos {eos_id}, mask {mask_id}")
 
     train_ids = encode_files(tok, train_files, eos_id)
     val_ids = encode_files(tok, heldout_files, eos_id)
-    _log(f"tokens: train {len(train_ids):,}, held-out {len(val_ids):,}")
+    log(f"tokens: train {len(train_ids):,}, held-out {len(val_ids):,}")
 
     if args.reuse_target:
         # Iterate on the draft only: take the target (and its training history) from an
@@ -691,9 +151,9 @@ def main(argv=None) -> int:
         history["target"] = old["history"]["target"]
         history["target_seconds"] = old["history"]["target_seconds"]
         history["target_reused_from"] = str(args.reuse_target)
-        _log(f"target reused from {args.reuse_target}")
+        log(f"target reused from {args.reuse_target}")
     else:
-        tcfg = target_config(vocab, eos_id, args)
+        tcfg = make_target_config(vocab, eos_id, args)
         target = train_target(tcfg, train_ids, val_ids, args, history)
     # Everything downstream sees the float16-rounded weights that get committed.
     target = target.half().float().eval()
@@ -705,11 +165,11 @@ def main(argv=None) -> int:
         target.half().save_pretrained(out / "tiny-target")
         target.float()
     final_val = eval_lm(target, val_ids, args.seq_len, args.val_windows)
-    _log(f"target: {n_params(target):,} params, val loss (fp16 weights) {final_val:.3f}")
+    log(f"target: {n_params(target):,} params, val loss (fp16 weights) {final_val:.3f}")
 
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
     groups = make_draft_data(target, train_ids, eos_id, layer_ids, args, history)
-    dcfg = draft_config(tcfg, mask_id, layer_ids, args)
+    dcfg = make_draft_config(tcfg, mask_id, layer_ids, args)
     draft = train_draft(target, groups, dcfg, mask_id, args, history)
     del groups
 
@@ -717,11 +177,11 @@ def main(argv=None) -> int:
         target.half().save_pretrained(out / "tiny-target")
         target.float()
     draft.half().save_pretrained(out / "tiny-draft")
-    _log("saved target and draft (float16)")
+    log("saved target and draft (float16)")
 
     if not args.skip_prompts:
         prompts = write_prompts(heldout_files, hf_tok, out / "prompts", args.n_prompts, args.seed)
-        _log(f"prompts: {len(prompts)} stdlib-heldout prompts")
+        log(f"prompts: {len(prompts)} stdlib-heldout prompts")
 
     # Reload exactly as users will, then measure.
     from dflash.model import DFlashDraftModel
@@ -741,7 +201,7 @@ def main(argv=None) -> int:
         ][: args.eval_prompts]
         pids = [rt(t, return_tensors="pt", add_special_tokens=False)["input_ids"] for t in ptexts]
         rep = measure_pair(
-            rtarget, rdraft, pids, max_new_tokens=128, stop_token_ids=[eos_id], log=_log
+            rtarget, rdraft, pids, max_new_tokens=128, stop_token_ids=[eos_id], log=log
         )
         report_md = rep.format()
         measure_desc = (
@@ -750,7 +210,7 @@ def main(argv=None) -> int:
             "committed per verify step (bonus included). Reproduce with "
             "`python benchmarks/tiny_pair.py`."
         )
-        _log("measurement:\n" + report_md)
+        log("measurement:\n" + report_md)
         history["measure"] = {
             "mean_tau": {b: round(rep.mean_tau(b), 4) for b in rep.block_sizes},
             "argmax_share": {b: round(s, 4) for b, s in rep.argmax_share().items()},
@@ -808,7 +268,7 @@ def main(argv=None) -> int:
     (out / "tiny-draft" / "build_log.json").write_text(
         json.dumps({"meta": meta, "history": history}, indent=1, default=str) + "\n"
     )
-    _log(f"done in {meta['build_minutes']:.1f} min")
+    log(f"done in {meta['build_minutes']:.1f} min")
     return 0
 
 

@@ -19,7 +19,10 @@ from transformers import DynamicCache
 
 
 @dataclass
-class DecodeResult:
+class PairDecode:
+    """One speculative generation of the tiny pair, as the measurement needs it (the library's decode result is
+    ``pipeline.decoding.engine.DecodeResult``)."""
+
     output_ids: torch.Tensor  # [1, prompt + new] (prompt included)
     committed: list[int]  # tokens committed per verify step (bonus included)
 
@@ -56,11 +59,11 @@ def dflash_decode(target, draft, input_ids, block_size, max_new_tokens, stop_tok
             block_size=block_size,
             return_stats=True,
         )
-    return DecodeResult(stats.output_ids, list(stats.acceptance_lengths))
+    return PairDecode(stats.output_ids, list(stats.acceptance_lengths))
 
 
 @torch.inference_mode()
-def greedy_reference(target, input_ids, max_new_tokens, stop_token_ids):
+def autoregressive_greedy(target, input_ids, max_new_tokens, stop_token_ids):
     """Plain autoregressive greedy decoding, one token per target forward (no draft).
 
     Same length convention as dflash_generate: at most ``max_new_tokens`` new tokens, the
@@ -132,7 +135,7 @@ class PairReport:
         return "\n".join(lines)
 
 
-DecodeFn = Callable[..., DecodeResult]
+DecodeFn = Callable[..., PairDecode]
 
 
 def measure_pair(
@@ -152,7 +155,7 @@ def measure_pair(
         rep.tau[b], rep.lossless[b] = [], []
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts_ids):
-        ref = greedy_reference(target, ids, max_new_tokens, stop_token_ids)
+        ref = autoregressive_greedy(target, ids, max_new_tokens, stop_token_ids)
         rep.new_tokens.append(ref.shape[1] - ids.shape[1])
         for b in rep.block_sizes:
             res = decode(target, draft, ids, b, max_new_tokens, stop_token_ids)

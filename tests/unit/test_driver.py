@@ -13,19 +13,13 @@ import pytest
 
 from pipeline.runtime.config import load_config
 from pipeline.io.shards import decode_metadata
-from pipeline.executor.driver import (
-    FRONT_MATTER,
-    INPUT_REJECTS,
-    LAYOUT_DOC,
-    MANIFEST_VERSION,
-    REJECTS_DIR,
-    LocalExecutor,
-    Plan,
-    ShardStage,
-    mark_complete,
-    run_stage,
-    tasks_from_shards,
-)
+from pipeline.executor.card import FRONT_MATTER, LAYOUT_DOC
+from pipeline.executor.driver import run_stage
+from pipeline.executor.folder import mark_complete
+from pipeline.executor.local import LocalExecutor
+from pipeline.executor.manifest import MANIFEST_VERSION
+from pipeline.executor.stage import Plan, ShardStage, tasks_from_shards
+from pipeline.io.layout import INPUT_REJECTS, REJECTS_DIR
 from pipeline.io.shards import file_sha256, list_shards, shard_name, write_parquet_atomic
 from pipeline.io.storage import location, read_table
 

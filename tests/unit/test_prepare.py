@@ -356,7 +356,8 @@ def test_shipped_configs_validate():
         assert [s.name for s in cfg.evaluate.sources] == ["gsm8k", "math500", "aime24", "humaneval", "mbpp",
                                                           "swe-bench", "mt-bench"]
         # the templates format real-looking rows (and the checks that run before any work pass)
-        from pipeline.data.sources import row_text, validate_sources
+        from pipeline.data.prompt_text import row_text
+        from pipeline.data.sources import validate_sources
 
         validate_sources(cfg.prepare.sources, "prepare")
         validate_sources(cfg.evaluate.sources, "evaluate")

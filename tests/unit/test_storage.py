@@ -6,7 +6,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from pipeline.executor.driver import LocalExecutor, run_stage
+from pipeline.executor.driver import run_stage
+from pipeline.executor.local import LocalExecutor
 from pipeline.io.shards import (
     SUCCESS,
     file_sha256,

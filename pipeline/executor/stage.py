@@ -1,0 +1,152 @@
+"""What a shard stage declares, and nothing it runs.
+
+The shape follows datatrove (an executor owns completions and rank-named outputs while a step only processes its
+data) and NeMo Curator (a stage declares setup, process and resources; a backend executes it). A shard stage
+(:class:`ShardStage`) declares only what is its own:
+
+* ``fingerprint()``: the config values that shape its output;
+* ``plan()``: its shard tasks (one output shard each) and any rows rejected before sharding;
+* ``setup(worker)``: loads models once per worker (a Ray actor, or the driver process);
+* ``process_shard(input, rejects) -> pyarrow.Table``: one shard's rows; a bad row goes to ``rejects``;
+* ``resources()``: where it runs (the driver process, or a pool of actors).
+
+:func:`pipeline.executor.driver.run_stage` owns the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pyarrow as pa
+
+from pipeline.io.shards import list_shards, shard_name
+from pipeline.io.storage import location, parquet_file
+
+
+@dataclass
+class Resources:
+    """Where a stage's shards are processed: in the driver process, or on a pool of actors (one per GPU when the
+    cluster has GPUs, else ``num_workers`` CPU actors of ``cpus_per_worker`` each)."""
+
+    actors: bool = False
+    num_workers: Optional[int] = None
+    cpus_per_worker: float = 1.0
+    max_retries: int = 0
+
+
+@dataclass
+class Worker:
+    """Who processes shards: its identity goes into rejects and rows; ``threads`` is its CPU share."""
+
+    identity: str
+    threads: Optional[int] = None
+
+
+@dataclass
+class ShardTask:
+    name: str  # the output shard's file name, part-NNNNN.parquet
+    input: Any  # an input shard's path, or the rows themselves
+    rows: int  # input rows: progress, and the done check
+    output: str = ""  # filled in by the driver
+    rejects: str = ""
+    metadata: Dict[str, Any] = field(default_factory=dict)  # stamped into the shard's schema metadata
+
+
+@dataclass
+class Plan:
+    tasks: List[ShardTask]
+    rejects: List[Dict[str, Any]] = field(default_factory=list)  # rows rejected before sharding
+
+
+class Rejects(list):
+    """One shard's rejected rows; :meth:`add` fills the fields every reject file carries."""
+
+    def __init__(self, worker: str = ""):
+        super().__init__()
+        self.worker = worker
+
+    def add(self, row: Dict[str, Any], reason: str, detail: str) -> None:
+        rec = {"prompt_id": row.get("prompt_id"), "source": row.get("source"), "reason": reason,
+               "detail": detail[:500]}
+        if self.worker:
+            rec["worker"] = self.worker
+        self.append(rec)
+
+
+class ShardStage:
+    """A stage that turns tasks into rank-named Parquet shards in ``folder``. Subclasses override the hooks."""
+
+    name = "stage"
+    unit = "rows"
+    schema_version: Optional[str] = None
+    rows_per_input = 1  # output rows per accepted input row (evaluate: one per method)
+    extra_outputs: Tuple[str, ...] = ()  # other files it writes; discarded with the shards on force
+
+    def __init__(self, cfg, folder: Path):
+        self.cfg = cfg
+        self.folder = location(folder)
+
+    # -- the driver process --
+    def requires(self) -> List[Tuple[Path, str]]:
+        """Folders that must be complete first, with the command that makes each."""
+        return []
+
+    def check(self) -> None:
+        """Cheap checks before anything is written (missing paths, bad templates)."""
+
+    def fingerprint(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def plan(self) -> Plan:
+        raise NotImplementedError
+
+    def resources(self) -> Resources:
+        return Resources()
+
+    def describe(self) -> str:
+        """Shown on the to-do line (e.g. the candidates)."""
+        return ""
+
+    def summarize(self, shards: List[Path]) -> Dict[str, Any]:
+        """The stage's own summary of its data, stored in the manifest (no timings)."""
+        return {}
+
+    def manifest_extras(self) -> Dict[str, Any]:
+        return {}
+
+    def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
+        """After every shard is done, before ``_SUCCESS``: derived outputs; returns extra summary fields."""
+        return {}
+
+    def card(self, manifest: Dict[str, Any]) -> Optional[str]:
+        """The dataset card's stage-specific part (the layout section is appended); None: no card."""
+        return None
+
+    def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
+        return []
+
+    # -- every worker --
+    def setup(self, worker: Worker) -> None:
+        """Load what process_shard needs, once per worker."""
+
+    def worker_info(self) -> Dict[str, Any]:
+        return {}
+
+    def process_shard(self, input: Any, rejects: Rejects) -> pa.Table:
+        raise NotImplementedError
+
+    def parquet_options(self, table: pa.Table) -> Dict[str, Any]:
+        return {"compression": "zstd"}
+
+
+def tasks_from_shards(folder: Path) -> List[ShardTask]:
+    """One task per input shard, named like it: ``part-N`` in, ``part-N`` out."""
+    return [ShardTask(p.name, str(p), parquet_file(p).metadata.num_rows, metadata={"input_shard": p.name})
+            for p in list_shards(folder)]
+
+
+def numbered_tasks(chunks: Sequence[Any], rows: Callable[[Any], int] = len) -> List[ShardTask]:
+    """One task per in-memory chunk, ``part-00000`` upwards."""
+    return [ShardTask(shard_name(i), chunk, rows(chunk)) for i, chunk in enumerate(chunks)]

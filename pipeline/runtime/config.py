@@ -1,10 +1,13 @@
 """The one config schema of the pipeline.
 
-Typed dataclasses are the schema; values are merged as
+Typed dataclasses are the schema (types, a comment per field, validation); values are merged as
 schema <- conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
-The default config and the published ones (``conf/published/NAME.yaml``, named on the command line as
-``-c published:NAME``) live in the top-level ``conf/``, the one source of default values; a wheel ships that
-folder as the package ``blockpilot_conf``, so that a plain ``pip install .`` runs exactly as a checkout does.
+``conf/default.yaml`` (the top-level ``conf/``) holds every key of the schema with its default value and is the one
+source of default values: the schema's defaults equal it, key for key (tests/unit/test_conf_defaults.py fails
+otherwise), and why a default is what it is, where it was measured, is in ``benchmarks/results/default-*.md``.
+The published configs (``conf/published/NAME.yaml``, named on the command line as ``-c published:NAME``) live
+beside it; a wheel ships that folder as the package ``blockpilot_conf``, so that a plain ``pip install .`` runs
+exactly as a checkout does.
 Unknown keys, wrong types, missing mandatory values and out-of-range values fail in
 :func:`load_config`, before any stage does work, with a :class:`ConfigError` naming the key.
 """
@@ -47,19 +50,31 @@ class ConfigError(ValueError):
     """A config problem, raised before any work; the message names the offending key."""
 
 
+# Choice lists this module owns (their users sit in layers above pipeline.runtime, or in stages/, and import them
+# from here). train.input_transform's list is pipeline.policy.blocksize.TRANSFORMS (see _choices).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LABEL_MODES = ("auto", "exhaustive", "replay")
+OBJECTIVES = ("speed", "paper", "hard", "soft")
+LABEL_KINDS = ("tau", "speedup")
+SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
+
+
 @dataclass
 class ModelConfig:
     # Hub id, local directory, or ``bundled:NAME`` (a directory under pipeline/assets/).
     target: str = "bundled:tiny-target"
+    # The DFlash draft; the same forms as `target`.
     draft: str = "bundled:tiny-draft"
+    # Hub revisions (branch, tag or commit) of target and draft; None = the default branch.
     target_revision: Optional[str] = None
     draft_revision: Optional[str] = None
     # Tokenizer location; None = the target's.
     tokenizer: Optional[str] = None
-    # auto = bfloat16 on CUDA, float32 on CPU.
+    # One of DTYPES; auto = bfloat16 on CUDA, float32 on CPU.
     dtype: str = "auto"
-    # auto = cuda when available, else cpu.
+    # auto = cuda when available, else cpu; else a torch device string.
     device: str = "auto"
+    # Passed to transformers' from_pretrained (models whose code lives on the hub).
     trust_remote_code: bool = False
     # Passed to the chat template where it has the switch (Qwen3); the paper runs with thinking off.
     enable_thinking: bool = False
@@ -67,11 +82,15 @@ class ModelConfig:
 
 @dataclass
 class DecodeConfig:
+    # Tokens generated per prompt (at most).
     max_new_tokens: int = 128
     # 0 = greedy (lossless w.r.t. the target's greedy output); > 0 = rejection sampling.
     temperature: float = 0.0
+    # Nucleus sampling at T > 0; 1.0 = off.
     top_p: float = 1.0
+    # Top-k sampling at T > 0; 0 = off.
     top_k: int = 0
+    # Sampling seed.
     seed: int = 0
     # Stop at the tokenizer's eos token(s).
     stop_on_eos: bool = True
@@ -81,7 +100,7 @@ class DecodeConfig:
 class SourceConfig:
     # Name recorded in the `source` column and hashed into `prompt_id`.
     name: str = MISSING
-    # bundled | hf | jsonl | json | parquet | text | sharegpt
+    # One of SOURCE_KINDS: bundled | hf | jsonl | json | parquet | text | sharegpt.
     kind: str = MISSING
     # bundled set name, hub id, or local file/folder.
     path: str = MISSING
@@ -100,13 +119,17 @@ class SourceConfig:
 
 @dataclass
 class PrepareConfig:
+    # The label prompts' sources (SourceConfig each); names must be unique.
     sources: List[SourceConfig] = field(
         default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout", split="label")]
     )
+    # Prompts longer than this (in tokens, after the chat template) are rejected.
     max_prompt_tokens: int = 1024
-    shard_size: int = 256
-    # Cap on prompts taken from each source (smoke runs); per-source `limit` wins when smaller.
-    limit: Optional[int] = None
+    # Prompts per shard: the unit of labelling work, retry and resume.
+    shard_size: int = 64
+    # Cap on prompts taken from each source (None = all); per-source `limit` wins when smaller.
+    limit: Optional[int] = 1024
+    # Wrap each prompt in the tokenizer's chat template (as a single user turn).
     apply_chat_template: bool = True
 
 
@@ -115,14 +138,15 @@ class LabelConfig:
     # Trained block size B; None = read from the draft's config.
     block_size: Optional[int] = None
     # Candidates are B-k .. B+k.
-    k: int = 2
-    # CPU actors when the cluster has no GPU; with GPUs, one actor per GPU (None = all GPUs).
-    num_workers: Optional[int] = None
-    # auto (= replay at T = 0, else exhaustive) | exhaustive | replay
+    k: int = 4
+    # Label actors: without GPUs this many CPU actors (None = the cluster's CPUs less one); with GPUs one actor per
+    # GPU, at most this many (None = every GPU).
+    num_workers: Optional[int] = 2
+    # One of LABEL_MODES: auto (= replay at T = 0, else exhaustive) | exhaustive | replay.
     mode: str = "auto"
-    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py: one batched greedy decode of the target, then
-    # the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1 (the
-    # reference). How the default was measured: conf/default.yaml.
+    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py: one batched greedy decode of the
+    # target, then the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1
+    # (the reference). Batches are formed within a shard; a batch that fails is retried prompt by prompt.
     batch_size: int = 64
 
 
@@ -137,7 +161,7 @@ class ProfileConfig:
     max_block_size: Optional[int] = None
     # Prompt lengths (tokens) the steps are timed after; the model is their mean.
     context_lengths: List[int] = field(default_factory=lambda: [64, 256])
-    # Verify steps per timed decode (at least): short probes of 1-2 steps were noise.
+    # Verify steps per timed decode (at least): a probe of 1-2 steps is timing noise.
     steps: int = 16
     # Rounds (every b once per round, shuffled): at least min_repeats, then until the fitted cost of every b moves
     # by less than rel_tol in one round, at most max_repeats.
@@ -148,35 +172,45 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
+    # The policy MLP (pipeline/policy/blocksize.py): hidden width, layers, dropout.
     hidden: int = 2048
     n_layers: int = 2
     dropout: float = 0.2
-    # none | softmax | log_softmax | standardize
+    # One of pipeline.policy.blocksize.TRANSFORMS, applied to the logits: none | softmax | log_softmax | standardize.
     input_transform: str = "none"
+    # Adam learning rate.
     lr: float = 1e-5
-    epochs: int = 100
+    # Passes over the training split.
+    epochs: int = 30
+    # Rows per step (per worker).
     batch_size: int = 32
+    # Share of the label set (by prompt-id hash) held out as the val split (metrics, and tune's prompts).
     val_fraction: float = 0.1
+    # One of OBJECTIVES.
     # speed: regress every candidate's decode speed tau(b) / cost(b) (relative to the fallback b) and pick the
     #   fastest, falling back to the best fixed b unless the predicted gain beats a calibrated margin;
     # paper: the BlockPilot paper end to end (cross-entropy on the argmax-tau label, argmax, no fallback);
     # hard: cross-entropy on `label`; soft: cross-entropy on the softmax of tau over candidates.
     objective: str = "speed"
+    # soft only: the temperature of the softmax of tau.
     soft_temperature: float = 1.0
-    # hard only: tau (argmax tau) | speedup (argmax tau / cost under train.cost_profile)
+    # hard only, one of LABEL_KINDS: tau (argmax tau) | speedup (argmax tau / cost under train.cost_profile).
     label: str = "tau"
     # The cost profile (cost_profile.json) the speed targets use; None = the labelling one (labels/cost_profile.json).
     # One label set serves any deployment: give the serving machine's profile here.
     cost_profile: Optional[str] = None
     # Share of the label set (by prompt-id hash, disjoint from train and val) the fallback margin is calibrated on.
     calibration_fraction: float = 0.15
-    # Ray Train report (with a checkpoint) every N epochs and at the last: each report costs ~2 s on a small CPU
-    # box. A killed run resumes from the last checkpoint, so it loses at most N - 1 epochs.
+    # Ray Train report (with a checkpoint) every N epochs and at the last: a report is not free
+    # (benchmarks/results/train-report-cost.md); a killed run loses at most N - 1 epochs.
     checkpoint_every: int = 10
+    # Ray Train workers (data-parallel).
     num_workers: int = 1
     # None = train on GPUs when the cluster has one per worker.
     use_gpu: Optional[bool] = None
+    # Ray Train restarts of a failed run (from its last checkpoint).
     max_failures: int = 2
+    # Seed of the initialisation and the shuffles.
     seed: int = 0
     # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size.
     cache_max_gb: float = 4.0
@@ -184,6 +218,7 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
+    # The evaluation prompts' sources (SourceConfig each); names must be unique.
     sources: List[SourceConfig] = field(
         default_factory=lambda: [
             SourceConfig(name="humaneval", kind="bundled", path="humaneval"),
@@ -192,8 +227,10 @@ class EvaluateConfig:
     )
     # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
     fixed_block_sizes: Optional[List[int]] = None
-    limit: Optional[int] = None
-    num_workers: Optional[int] = None
+    # Cap on prompts taken from each evaluation source (None = all); per-source `limit` wins when smaller.
+    limit: Optional[int] = 32
+    # Decoding actors, as label.num_workers.
+    num_workers: Optional[int] = 2
     # Use the per-step rule `blockpilot tune` chose, when output_dir/tune is complete: adaptive decodes with it
     # where the policy answers its fallback b (if tune measured it faster there), and evaluate also runs its two
     # parts apart (`policy`: the policy alone; `per-step`: the rule alone at its b_max). false: adaptive is the
@@ -209,18 +246,18 @@ class TuneConfig:
 
     # Step rules to try: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK.
     # The thresholds are small because a product of top-1 probabilities falls fast with the position.
-    rules: List[str] = field(default_factory=lambda: ["threshold:0.01", "threshold:0.02", "threshold:0.05",
-                                                      "threshold:0.1", "ema:0.5:2"])
+    rules: List[str] = field(default_factory=lambda: ["threshold:0.01", "threshold:0.02", "threshold:0.05"])
     # Drafted block sizes b_max; None = [1.5 B, 2 B] (a rule only ever cuts, so b_max sits above the fixed optimum).
     max_block_sizes: Optional[List[int]] = None
     # Held-out label prompts decoded (the first `limit` of the val split, by prompt-id hash).
-    limit: int = 48
-    num_workers: Optional[int] = None
+    limit: int = 32
+    # Decoding actors, as label.num_workers.
+    num_workers: Optional[int] = 2
 
 
 @dataclass
 class WorkerConfig:
-    """The decoding actors of label and evaluate."""
+    """The decoding actors of label, tune and evaluate."""
 
     # CPUs each actor reserves (GPU actors also take one GPU each).
     cpus_per_worker: float = 1.0
@@ -232,6 +269,7 @@ class WorkerConfig:
 class RayConfig:
     # None = start or join a local Ray; "auto" = join the running cluster.
     address: Optional[str] = None
+    # CPUs a local Ray started here advertises; None = the machine's.
     num_cpus: Optional[int] = None
     # Advertise GPUs that may not exist (tests use this to check placement on a CPU machine).
     num_gpus: Optional[int] = None
@@ -239,9 +277,11 @@ class RayConfig:
 
 @dataclass
 class PipelineConfig:
+    # The run folder (local path or s3://, gs://, az:// URL); each stage writes its own sub-folder.
     output_dir: str = "runs/default"
     # Allow writing into an output folder made with a different config.
     force: bool = False
+    # Report each stage's progress: a tqdm bar when stdout is a terminal, else a log line per update.
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -255,14 +295,18 @@ class PipelineConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-_CHOICES = {
-    "model.dtype": ("auto", "float32", "float16", "bfloat16"),
-    "label.mode": ("auto", "exhaustive", "replay"),
-    "train.input_transform": ("none", "softmax", "log_softmax", "standardize"),
-    "train.objective": ("speed", "paper", "hard", "soft"),
-    "train.label": ("tau", "speedup"),
-}
-_SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
+def _choices() -> Dict[str, tuple]:
+    """Every key with a closed set of values, and the set. The transforms are imported here, not at the top:
+    pipeline.policy.blocksize imports torch, which reading a config does not need."""
+    from pipeline.policy.blocksize import TRANSFORMS
+
+    return {
+        "model.dtype": DTYPES,
+        "label.mode": LABEL_MODES,
+        "train.input_transform": TRANSFORMS,
+        "train.objective": OBJECTIVES,
+        "train.label": LABEL_KINDS,
+    }
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -271,7 +315,7 @@ def _check(ok: bool, key: str, msg: str) -> None:
 
 
 def _validate(cfg: PipelineConfig) -> None:
-    for key, choices in _CHOICES.items():
+    for key, choices in _choices().items():
         value = _get(cfg, key)
         _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
     d = cfg.decode
@@ -320,7 +364,7 @@ def _validate(cfg: PipelineConfig) -> None:
         names = set()
         for i, src in enumerate(getattr(cfg, section).sources):
             key = f"{section}.sources[{i}]"
-            _check(src.kind in _SOURCE_KINDS, f"{key}.kind", f"{src.kind!r} is not one of {', '.join(_SOURCE_KINDS)}")
+            _check(src.kind in SOURCE_KINDS, f"{key}.kind", f"{src.kind!r} is not one of {', '.join(SOURCE_KINDS)}")
             _check(src.name not in names, f"{key}.name", f"duplicate source name {src.name!r}")
             names.add(src.name)
             _check(src.limit is None or src.limit >= 1, f"{key}.limit", "must be >= 1")
@@ -368,7 +412,8 @@ def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str
         base = OmegaConf.structured(PipelineConfig)
         if default_yaml is not None:
             if not Path(default_yaml).is_file():
-                # Never fall back to the schema defaults silently: they differ from default.yaml (limits, sources).
+                # Never run without it: it is the one source of default values (the schema's equal it, but a
+                # broken install must say so rather than run on whatever the schema holds).
                 raise ConfigError(f"default config not found: {default_yaml} (a broken install? it ships in the "
                                   "package as conf/default.yaml)")
             layers.append(OmegaConf.load(default_yaml))

@@ -67,8 +67,9 @@ def installed(tmp_path_factory):
 def test_wheel_holds_the_config_and_the_assets(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "conf/default.yaml" in names
-    published = sorted(n for n in names if n.startswith("conf/published/") and n.endswith(".yaml"))
+    # conf/ ships as the package blockpilot_conf (pyproject.toml's package-dir), which the installed config reads.
+    assert "blockpilot_conf/default.yaml" in names
+    published = sorted(n for n in names if n.startswith("blockpilot_conf/published/") and n.endswith(".yaml"))
     assert len(published) == 4, published
     assets = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "pipeline" / "assets").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
@@ -94,7 +95,7 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
     checkout = _run([sys.executable, "-m", "stages.cli", "run", "--print-config"], cwd=REPO)
     got = _run([bp, "run", "--print-config"], cwd=tmp_path)
     assert got == checkout
-    # default.yaml's values, not the schema defaults (prepare.limit None, evaluate.limit None, shard_size 256).
+    # default.yaml's values (prepare.limit, evaluate.limit / tune.limit, shard_size): the wheel ships conf/.
     assert "  limit: 1024\n" in got and "  limit: 32\n" in got and "  shard_size: 64\n" in got
 
     published_checkout = _run([sys.executable, "-m", "stages.cli", "prepare", "-c", "published:qwen3-8b",

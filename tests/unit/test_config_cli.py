@@ -16,8 +16,8 @@ def test_merge_order_schema_default_file_overrides(tmp_path):
     assert cfg.decode.max_new_tokens == 64  # file over default.yaml (128)
     assert cfg.label.k == 3  # override over file
     assert cfg.output_dir == "/tmp/somewhere"
-    assert cfg.prepare.shard_size == 64  # conf/default.yaml over the schema default (256)
-    assert cfg.train.lr == 1e-5  # schema default
+    assert cfg.prepare.shard_size == 64  # conf/default.yaml (the schema's default equals it: test_conf_defaults.py)
+    assert cfg.train.lr == 1e-5  # neither file nor override sets it
 
 
 @pytest.mark.parametrize("override,key", [

@@ -11,9 +11,9 @@ make every acceptance length 1, so this benchmark measures COSTS, not acceptance
   prefill        Engine.prefill of one prompt (batch 1)
   step(b)        Engine.decode at block size b: one draft forward of b rows + one target verify of b positions
                  (batch 1), in seconds per step
-  decode_step(P) pipeline.labelling.batched.greedy_continuations at batch P (static KV cache, feature hooks): seconds per
+  decode_step(P) pipeline.labelling.greedy.greedy_continuations at batch P (static KV cache, feature hooks): seconds per
                  generated token of the whole batch, and its prefill
-  propose(P)     BatchedDraftReplay.propose at batch P: ONE draft forward over every candidate's block of every
+  propose(P)     DraftRunner.propose at batch P: ONE draft forward over every candidate's block of every
                  prompt (P x sum(candidates) rows), read at the first proposal of each block
   read_row       the draft's last-layer row work + lm_head + argmax, per extra proposal row read
 
@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from pipeline.labelling.batched import BatchedDraftReplay, greedy_continuations  # noqa: E402
+from pipeline.labelling.greedy import greedy_continuations  # noqa: E402
+from pipeline.labelling.runner import DraftRunner  # noqa: E402
 from pipeline.decoding.engine import Engine  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         news, context, _, prefill = box["out"]
         decode_step = (total - prefill) / max(1, steps - 1)
         gs = [p + c for p, c in zip(prompts, news)]
-        runner = BatchedDraftReplay(draft, target, gs, context)
+        runner = DraftRunner(draft, target, gs, context)
         s = n + steps // 2
         work = {p: [(b, s, b) for b in cands] for p in range(P)}
         propose = timed(lambda: runner.propose(work), clock)

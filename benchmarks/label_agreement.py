@@ -33,14 +33,10 @@ for p in (ROOT, ROOT / "tests"):
 
 import torch  # noqa: E402
 
-from pipeline.labelling.batched import (  # noqa: E402
-    BatchedDraftReplay,
-    batched_lockstep_walks,
-    batched_replay_label_prompts,
-    greedy_continuations,
-    length_sorted_chunks,
-    target_features,
-)
+from pipeline.labelling.batched import batched_replay_label_prompts, length_sorted_chunks  # noqa: E402
+from pipeline.labelling.greedy import greedy_continuations, target_features  # noqa: E402
+from pipeline.labelling.runner import DraftRunner  # noqa: E402
+from pipeline.labelling.walks import lockstep_walks  # noqa: E402
 from pipeline.decoding.engine import Engine  # noqa: E402
 from pipeline.labelling.labels import _labels, candidate_block_sizes  # noqa: E402
 
@@ -83,7 +79,7 @@ def draft_gap(engine, ids, cands, max_new, committed_ref, committed_got):
         vs = min(b, state.num_input_tokens + max_new - s)
         if vs < 2:
             return b, k, float("nan")
-        h = runner.hidden([(b, s, vs)])[0]
+        h = runner.block_hidden([(b, s, vs)])[0]
         logits = engine.draft.compute_logits(h, runner.head)[0].float()
         j = min(ref[k], got[k]) - 1 if k < min(len(ref), len(got)) else 0
         j = max(0, min(j, logits.shape[0] - 1))
@@ -140,9 +136,9 @@ def batched_internals(engine, batch, cands, max_new):
     news = greedy_continuations(engine.target, batch, max_new, engine.stop_token_ids)
     context, _, _ = target_features(engine.target, engine.draft.target_layer_ids, batch, news)
     gs = [list(p) + c for p, c in zip(batch, news)]
-    runner = BatchedDraftReplay(engine.draft, engine.target, gs, context)
-    walks = batched_lockstep_walks(gs, [len(p) for p in batch], max_new, list(cands), runner.propose,
-                                   engine.stop_token_ids)
+    runner = DraftRunner(engine.draft, engine.target, gs, context)
+    walks = lockstep_walks(gs, [len(p) for p in batch], max_new, list(cands), runner.propose,
+                           engine.stop_token_ids)
     return news, walks
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -73,7 +73,15 @@ def load_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval()
 
 
-DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # the dflash.model classes a draft can be
+
+
+def draft_classes() -> Dict[str, type]:
+    """{name: class} of DRAFT_ARCHITECTURES: the classes the loader builds, and so the only ones replay labelling
+    accepts. A function, so that importing the loader does not import dflash."""
+    import dflash.model
+
+    return {name: getattr(dflash.model, name) for name in DRAFT_ARCHITECTURES}
 
 
 def draft_config(cfg: ModelConfig):
@@ -87,15 +95,13 @@ def draft_config(cfg: ModelConfig):
 def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     """The draft class its config names (``architectures``; none = DFlashDraftModel), so that a DFlash2 checkpoint
     gets its convolutions and candidate selector. Only dflash's own classes: no remote code."""
-    import dflash.model
-
     location = resolve_location(cfg.draft)
     archs = draft_config(cfg).architectures or []
     name = archs[0] if len(archs) == 1 else "DFlashDraftModel"
     if name not in DRAFT_ARCHITECTURES:
         raise ValueError(f"draft {cfg.draft!r}: architecture {archs} is not a dflash draft "
                          f"({', '.join(DRAFT_ARCHITECTURES)})")
-    model = getattr(dflash.model, name).from_pretrained(location, revision=cfg.draft_revision, dtype=dtype)
+    model = draft_classes()[name].from_pretrained(location, revision=cfg.draft_revision, dtype=dtype)
     if model.mask_token_id is None:
         raise ValueError(f"draft {cfg.draft!r}: config has no dflash_config.mask_token_id")
     return model.to(device).eval()

@@ -12,12 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.labelling.batched import (
-    ShardBatches,
-    batched_replay_label_prompts,
-    greedy_continuations,
-    length_sorted_chunks,
-)
+from pipeline.labelling.batched import ShardBatches, batched_replay_label_prompts, length_sorted_chunks
+from pipeline.labelling.greedy import greedy_continuations
 from pipeline.decoding.engine import Engine, greedy_reference
 from pipeline.labelling.labels import candidate_block_sizes, replay_label_prompt
 from random_pair import EOS_ID, QWEN3_VOCAB, make_pair, prompt, save_wide_pair
@@ -176,7 +172,8 @@ def test_shard_batches_retry_a_failing_batch_prompt_by_prompt():
 def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
     from pipeline.runtime.config import load_config
     from pipeline.io.shards import decode_metadata
-    from pipeline.executor.driver import LocalExecutor, run_stage
+    from pipeline.executor.driver import run_stage
+    from pipeline.executor.local import LocalExecutor
     from pipeline.data.validate import validate_dataset
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
@@ -218,13 +215,13 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
 @pytest.mark.parametrize("group", [8, 2])
 def test_features_captured_during_generation_equal_a_teacher_forced_pass(group, monkeypatch):
     """The context features and prefill logits read from the greedy decode's own forwards equal one teacher-forced
-    forward over prompt + g (pipeline.labelling.batched.target_features), position by position (float tolerance); with
+    forward over prompt + g (pipeline.labelling.greedy.target_features), position by position (float tolerance); with
     prefill groups of 2, the prompts (not in length order) are prefilled in several groups whose keys, values and
     features are placed into the batch's rows: g is still each prompt's own greedy continuation."""
-    import pipeline.labelling.batched
-    from pipeline.labelling.batched import target_features
+    import pipeline.labelling.greedy
+    from pipeline.labelling.greedy import target_features
 
-    monkeypatch.setattr(pipeline.labelling.batched, "PREFILL_GROUP", group)
+    monkeypatch.setattr(pipeline.labelling.greedy, "PREFILL_GROUP", group)
     target, draft = make_pair(3, block_size=4)
     prompts = [prompt(i, length=length).tolist()[0] for i, length in enumerate((2, 11, 6, 1, 17, 6, 9))]
     for p, g in zip(prompts, greedy_continuations(target, prompts, MAX_NEW, [EOS_ID])):
@@ -246,7 +243,9 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
 
     from pipeline.runtime.config import load_config
     from pipeline.data.schemas import PROMPTS_SCHEMA
-    from pipeline.executor.driver import LocalExecutor, mark_complete, run_stage
+    from pipeline.executor.driver import run_stage
+    from pipeline.executor.folder import mark_complete
+    from pipeline.executor.local import LocalExecutor
     from pipeline.decoding.models import load_tokenizer
     from pipeline.data.sources import build_prompts
     from pipeline.data.validate import validate_dataset
@@ -281,16 +280,23 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
 KINDS = [(False, None), (True, None), (False, 3), (True, 3)]
 
 
+def _block_layout(blocks, ctx_len, kinds, device):
+    """One prompt's blocks laid out alone (as batch-1 replay lays them): masks, positions, local indices."""
+    from pipeline.labelling.draft import layout
+
+    alone = layout([blocks], ctx_len, kinds, device)
+    return alone.masks, alone.positions[0], alone.local[0]
+
+
 def test_batched_layout_is_the_batch1_layout_per_prompt():
-    """_batched_layout (one set of tensor operations for every prompt) puts in batch row r exactly what
-    pipeline.labelling.replay._block_layout gives for prompt r's blocks alone, for every attention kind; its padding rows
-    see only themselves; positions, local indices, block anchors and the real rows' flat indices line up."""
-    from pipeline.labelling.batched import _batched_layout
-    from pipeline.labelling.replay import _block_layout
+    """layout (one set of tensor operations for every prompt) puts in batch row r exactly what it gives for prompt
+    r's blocks alone (batch-1 replay's layout), for every attention kind; its padding rows see only themselves;
+    positions, local indices, block anchors and the real rows' flat indices line up."""
+    from pipeline.labelling.draft import layout
 
     rows = [[(4, 10, 4), (6, 7, 6), (2, 12, 2)], [(5, 3, 5)], [(3, 15, 2), (7, 15, 7)]]
     ctx_len = max(s for blocks in rows for _, s, _ in blocks)
-    lay = _batched_layout(rows, ctx_len, KINDS, torch.device("cpu"))
+    lay = layout(rows, ctx_len, KINDS, torch.device("cpu"))
     q_len = max(sum(vs for _, _, vs in blocks) for blocks in rows)
     assert lay.q_len == q_len == 12
     anchors, real = [], []
@@ -313,37 +319,49 @@ def test_batched_layout_is_the_batch1_layout_per_prompt():
     assert lay.anchors.tolist() == anchors and lay.real.tolist() == real
 
 
+class _Keys:
+    """The plain KV stand-in the in-place buffers (draft.BlockKeys) must equal: context keys, then the block's."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        pk, pv = self.prefix[layer_idx]
+        return torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
+
+
 def test_deferred_draft_rows_equal_the_full_forward_and_keys_are_restored():
-    """_draft_forward_deferred's rows (each layer's MLP on real rows only, the last layer's output projection and
-    MLP only on the rows read) equal the full forward's rows, and the in-place key buffers (_BufferKeys) hold the
-    context again after every forward: a second forward of other blocks matches a fresh runner's."""
-    from pipeline.labelling.batched import BatchedDraftReplay, _batched_layout, _draft_forward_deferred
-    from pipeline.labelling.replay import _draft_forward, _Keys
+    """draft_forward's deferred rows (with ``real``: each layer's MLP on real rows only, the last layer's output
+    projection and MLP only on the rows read) equal the full forward's rows, and the in-place key buffers
+    (draft.BlockKeys) hold the context again after every forward: a second forward of other blocks matches a fresh
+    runner's."""
+    from pipeline.labelling.draft import draft_forward, layout
+    from pipeline.labelling.runner import DraftRunner
     from dflash.model import _raw_input_embeddings
 
     target, draft = make_pair(4, layer_types=["full_attention", "full_attention"])
     prompts = [prompt(40 + i, length=n).tolist()[0] for i, n in enumerate((9, 14, 5))]
     news, context, _, _ = greedy_continuations(target, prompts, MAX_NEW, None, layer_ids=draft.target_layer_ids)
     gs = [p + c for p, c in zip(prompts, news)]
-    runner = BatchedDraftReplay(draft, target, gs, context)
+    runner = DraftRunner(draft, target, gs, context)
     saved = [(k.clone(), v.clone()) for k, v in runner.kv]
 
     @torch.inference_mode()
     def forward(work):
         idx = list(work)
         ctx_len = max(s for blocks in work.values() for _, s, _ in blocks)
-        lay = _batched_layout([work[p] for p in idx], ctx_len, runner.kinds, runner.device)
+        lay = layout([work[p] for p in idx], ctx_len, runner.kinds, runner.device)
         tokens = torch.full((len(idx) * lay.q_len,), runner.mask_id)
         tokens[lay.anchors] = torch.tensor([gs[p][s] for p in idx for _, s, _ in work[p]])
         noise = _raw_input_embeddings(target, tokens.view(len(idx), lay.q_len), runner.scale)
         masks = [lay.masks[kind] for kind in runner.kinds]
         sel = torch.tensor(idx)
-        full = _draft_forward(draft, noise, runner.no_context[:len(idx)], lay.positions,
-                              _Keys([(k[sel, :, :ctx_len], v[sel, :, :ctx_len]) for k, v in saved]), masks,
-                              lay.local).reshape(-1, noise.shape[-1])
+        full = draft_forward(draft, noise, runner.no_context[:len(idx)], lay.positions,
+                             _Keys([(k[sel, :, :ctx_len], v[sel, :, :ctx_len]) for k, v in saved]), masks,
+                             lay.local)(torch.arange(len(idx) * lay.q_len))
         with runner._keys_for(idx, ctx_len, lay.q_len) as keys:
-            read = _draft_forward_deferred(draft, noise, runner.no_context[:len(idx)], lay.positions, keys, masks,
-                                           lay.real)
+            read = draft_forward(draft, noise, runner.no_context[:len(idx)], lay.positions, keys, masks, lay.local,
+                                 lay.real)
         return full, read, lay
 
     for work in ({0: [(3, 9, 3), (5, 11, 5)], 1: [(4, 14, 4)], 2: [(2, 5, 2), (6, 6, 6)]},
@@ -353,8 +371,8 @@ def test_deferred_draft_rows_equal_the_full_forward_and_keys_are_restored():
         picked = lay.real[torch.randperm(lay.real.numel(), generator=torch.Generator().manual_seed(0))[:7]]
         torch.testing.assert_close(read(picked), full[picked], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(read(lay.real), full[lay.real], rtol=1e-5, atol=1e-5)
-        rows = runner._rows
-        for (bk, bv), (k, v) in zip(runner._buffers, saved):  # the context is back after the forward
+        rows = runner._keys.rows
+        for (bk, bv), (k, v) in zip(runner._keys.buffers, saved):  # the context is back after the forward
             n = k.shape[2]
             assert torch.equal(bk[:, :, :n], k[rows]) and torch.equal(bv[:, :, :n], v[rows])
     # Unchanged weights: the deferred path did not leave dflash's output projection swapped out.

@@ -8,7 +8,8 @@ from transformers import Qwen3Config
 from pipeline.labelling import replay
 from pipeline.decoding.engine import Engine
 from pipeline.labelling.labels import candidate_block_sizes, label_prompt, replay_label_prompt
-from pipeline.labelling.replay import PROPOSERS, replay_candidates, replay_unsupported, replay_unsupported_config, walk
+from pipeline.labelling.replay import PROPOSERS, replay_candidates, replay_unsupported, replay_unsupported_config
+from pipeline.labelling.walks import walk
 from random_pair import EOS_ID, make_pair, prompt
 
 MAX_NEW = 24
@@ -143,9 +144,9 @@ def test_blocks_side_by_side_equal_blocks_drafted_alone(variant):
     runner = replay.DraftReplay(draft, target, ref.output_ids[0], ref.context)
     n_ctx = ref.context.shape[1]
     blocks = [(b, s, b) for b, s in zip([6, 2, 5, 3, 4, 6], range(6, n_ctx + 1, 2))]
-    together = runner.hidden(blocks)
+    together = runner.block_hidden(blocks)
     for block, h in zip(blocks, together):
-        torch.testing.assert_close(h, runner.hidden([block])[0], rtol=1e-5, atol=1e-5, msg=f"block {block}")
+        torch.testing.assert_close(h, runner.block_hidden([block])[0], rtol=1e-5, atol=1e-5, msg=f"block {block}")
 
 
 def test_replay_edge_cases_equal_the_engine():
@@ -163,12 +164,12 @@ def test_replay_edge_cases_equal_the_engine():
 def test_all_starts_in_several_chunks_equals_the_engine(monkeypatch):
     made = []
 
-    class Spy(replay.BatchedProposer):
+    class Spy(replay.AllStartsTable):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(replay, "BatchedProposer", Spy)
+    monkeypatch.setattr(replay, "AllStartsTable", Spy)
     monkeypatch.setattr(replay, "ALL_STARTS_MAX_QUERIES", 7)  # a chunk closes at >= 7 query rows
     target, draft = make_pair(0, block_size=4, **SLIDING)
     engine = Engine(target, draft, [EOS_ID])

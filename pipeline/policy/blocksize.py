@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.io.layout import POLICY_META, POLICY_WEIGHTS
+from pipeline.policy.stats import paired_bootstrap
 
 TRANSFORMS = ("none", "softmax", "log_softmax", "standardize")
 # policy.json "score" of a speed policy: the MLP's outputs / score_scale estimate log(speed(b) / speed(fallback)),
@@ -266,12 +267,10 @@ def calibrate_margin(gain_pred: np.ndarray, best: np.ndarray, tau: np.ndarray, c
     lower = None
     if best_m is not None:
         chosen = np.where(gain_pred > best_m, best, fb)
-        rng = np.random.default_rng(seed)
-        idx = rng.integers(0, len(tau), size=(reps, len(tau)))
         t = costs[None, :] / np.maximum(tau, 1e-6)
         rows = np.arange(len(tau))
-        t_fb, t_ch = t[rows, fb], t[rows, chosen]
-        lower = float(np.percentile(t_fb[idx].mean(axis=1) / t_ch[idx].mean(axis=1) - 1, 5))
+        lower = paired_bootstrap(lambda t_fb, t_ch: t_fb / t_ch - 1, t[rows, fb], t[rows, chosen], reps=reps,
+                                 seed=seed, level=0.90)[0]  # the low end of the central 90 %: the lower 5 % bound
     out = {"margin": best_m, "calibration_gain": best_g, "calibration_switched": switched,
            "calibration_rows": int(len(tau)), "calibration_gain_lower5": lower}
     if best_m is not None and not lower > 0:

@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages.evaluate import gain_with_interval
+from pipeline.evaluation.headline import gain_with_interval
 
 
 def results(rows):

@@ -1,0 +1,146 @@
+"""The headline of an evaluation: adaptive against the train-chosen fixed b, with paired-bootstrap intervals.
+
+Two fixed block sizes are named apart everywhere: the *train-chosen* b (``train_chosen_b``: the one fixed b train
+chose on the label set's train split, :func:`pipeline.policy.blocksize.train_chosen_block_size`, which a user could
+deploy without seeing these prompts) and the *hindsight* b (``hindsight_b``: the fastest on these evaluation
+prompts themselves). A gain is against the ``baseline_b``: the train-chosen b, or the hindsight b only where the
+train-chosen one was not evaluated (``baseline_is`` says which). Intervals: :mod:`pipeline.policy.stats`, prompts
+resampled within each evaluation set, every method of a prompt kept together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.evaluation.methods import PER_STEP, POLICY_ONLY, fixed_methods
+from pipeline.evaluation.results import MODELLED_TPOT
+from pipeline.policy.blocksize import train_chosen_block_size
+from pipeline.policy.stats import grouped_paired_bootstrap
+
+TRAIN_CHOSEN, HINDSIGHT = "train_chosen", "hindsight"
+
+
+def train_chosen_b(policy_info: Dict[str, Any]) -> Optional[int]:
+    """:func:`pipeline.policy.blocksize.train_chosen_block_size`, None for a policy that names none."""
+    try:
+        return train_chosen_block_size(policy_info)
+    except ValueError:  # the comparisons then fall back to the hindsight b
+        return None
+
+
+def evaluated_train_chosen_b(policy_info: Dict[str, Any], methods: Sequence[str]) -> Optional[int]:
+    """The train-chosen fixed b when evaluate decoded it (one of the ``b=N`` methods), else None."""
+    b = train_chosen_b(policy_info)
+    return b if b is not None and f"b={b}" in fixed_methods(methods) else None
+
+
+def hindsight_method(methods: Sequence[str], table: Dict[str, Dict[str, Optional[float]]], where: str = "average"
+                     ) -> str:
+    """The fixed-b method fastest in ``table`` (a speedup table) on ``where`` (a set, or the average)."""
+    return max(fixed_methods(methods), key=lambda m: table[m].get(where) or 0)
+
+
+def headline_numbers(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str, Any], kind: str,
+                     reps: int = 2000, seed: int = 0, method: str = "adaptive") -> Dict[str, Any]:
+    """The headline for one time measure (``modelled``: steps x profiled step cost; ``wall``: measured seconds):
+    average speedups vs AR over the sets of ``method``, the baseline b, the hindsight b and the oracle; gain =
+    method / baseline - 1 with a 95 % interval of the ratio of the set-averaged speedups; oracle_gain_captured =
+    (method - baseline) / (oracle - baseline). ``per_set`` has the same per evaluation set, with the oracle's
+    headroom over the baseline."""
+    import polars as pl
+
+    table = summary["tables"]["modelled_speedup" if kind == "modelled" else "speedup"]
+    col = MODELLED_TPOT if kind == "modelled" else "time_per_output_token"
+    methods = summary["methods"]
+    hindsight = hindsight_method(methods, table)
+    chosen = evaluated_train_chosen_b(policy_info, methods)
+    base = f"b={chosen}" if chosen is not None else hindsight
+    wide = (pl.from_arrow(results.select(["source", "prompt_id", "method", col]))
+            .pivot(on="method", index=["source", "prompt_id"], values=col).sort(["source", "prompt_id"]))
+    sets = wide["source"].to_numpy()
+    ci = grouped_paired_bootstrap(lambda ar, m, b: np.stack([ar / m, ar / b]),  # both speedups vs AR, per set
+                                  *(wide[m].to_numpy().astype(np.float64) for m in ("AR", method, base)),
+                                  groups=sets, reps=reps, seed=seed, final=lambda s: s[0] / s[1] - 1)
+
+    def numbers(where: str) -> Dict[str, Any]:
+        a, b, o = (table[m][where] for m in (method, base, "oracle"))
+        return {"adaptive": a, "baseline": b, "oracle": o, "gain": a / b - 1, "gain_ci95": list(ci[where]),
+                "oracle_headroom": o / b - 1, "oracle_gain_captured": (a - b) / (o - b) if o > b else None}
+
+    per_set = {ds: {**numbers(ds), "hindsight_b": int(hindsight_method(methods, table, ds)[2:]),
+                    "prompts": int((sets == ds).sum())} for ds in summary["datasets"]}
+    h = numbers("average")
+    return {"method": method, **h, "baseline_b": int(base[2:]), "baseline_is": HINDSIGHT if chosen is None else
+            TRAIN_CHOSEN, "train_chosen_b": chosen, "hindsight_b": int(hindsight[2:]),
+            "hindsight": table[hindsight]["average"],
+            # The names stages/run.py prints (best_fixed* is the baseline above); to go once it reads the new ones.
+            "best_fixed_b": int(base[2:]), "best_fixed": h["baseline"], "hindsight_fixed_b": int(hindsight[2:]),
+            "hindsight_fixed": table[hindsight]["average"], "per_set": per_set}
+
+
+def gain_with_interval(results: pa.Table, method: str, baseline: str, reps: int = 2000, seed: int = 0
+                       ) -> Dict[str, Any]:
+    """Wall-clock gain of ``method`` over ``baseline``: mean time per output token of the baseline / the method's,
+    minus 1, per dataset and averaged over datasets, each with a 95 % interval (prompts resampled within each
+    dataset; a prompt's two rows stay paired)."""
+    import polars as pl
+
+    df = pl.from_arrow(results).select("source", "prompt_id", "method", "time_per_output_token")
+    pair = (df.filter(pl.col("method") == method).join(df.filter(pl.col("method") == baseline),
+                                                        on=["source", "prompt_id"], suffix="_base")
+            .sort(["source", "prompt_id"]))
+    a = pair["time_per_output_token"].to_numpy().astype(np.float64)
+    b = pair["time_per_output_token_base"].to_numpy().astype(np.float64)
+    sets = pair["source"].to_numpy()
+    ci = grouped_paired_bootstrap(lambda a, b: b / a - 1, a, b, groups=sets, reps=reps, seed=seed)
+    out: Dict[str, Any] = {}
+    for ds in sorted(set(sets.tolist())):
+        rows = sets == ds
+        out[ds] = {"gain": float(b[rows].mean() / a[rows].mean() - 1), "ci95": list(ci[ds]),
+                   "prompts": int(rows.sum())}
+    out["average"] = {"gain": float(np.mean([v["gain"] for v in out.values()])), "ci95": list(ci["average"])}
+    return out
+
+
+def comparisons(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Adaptive's wall-clock gain against the train-chosen b (when evaluated) and against the hindsight b, each
+    with its interval."""
+    methods = summary["methods"]
+    hindsight = hindsight_method(methods, summary["tables"]["speedup"])
+    chosen = evaluated_train_chosen_b(policy_info, methods)
+    out = []
+    if chosen is not None:
+        how = policy_info.get("best_fixed_chosen_on", "by mean tau").replace("the train split, ", "")
+        out.append({"against": f"b={chosen}", "baseline_is": TRAIN_CHOSEN,
+                    "chosen_on": f"the label set's train split ({how})",
+                    **gain_with_interval(results, "adaptive", f"b={chosen}")})
+    out.append({"against": hindsight, "baseline_is": HINDSIGHT,
+                "chosen_on": "these evaluation prompts (hindsight, the fastest)",
+                **gain_with_interval(results, "adaptive", hindsight)})
+    return out
+
+
+def headlines(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str, Any], kinds: Sequence[str],
+              step_rule: Optional[Dict[str, Any]] = None, rule_fallback: Optional[Any] = None) -> Dict[str, Any]:
+    """The headline per time measure, what adaptive is, and with a tuned rule adaptive's two parts apart, each
+    against the same baseline: the policy alone (every step verifying its whole block) and the rule alone, as
+    tune chose it on held-out label prompts (``step_rule``: tune's choice; ``rule_fallback``: the
+    pipeline.decoding.adaptive.RuleFallback adaptive ran, or None)."""
+    out: Dict[str, Any] = {kind: headline_numbers(results, summary, policy_info, kind) for kind in kinds}
+    rf = rule_fallback
+    out["adaptive_is"] = (
+        f"the policy, its fallback b replaced by the per-step rule {rf.rule} at b_max={rf.max_block_size} (tune: "
+        f"{rf.gain:+.2%} over the fallback b on held-out label prompts)" if rf else "the policy alone")
+    if step_rule is not None:
+        for key, method in (("policy_only", POLICY_ONLY), ("per_step", PER_STEP)):
+            rule = method == PER_STEP
+            out[key] = {"method": method, "rule": step_rule["rule"] if rule else None,
+                        "max_block_size": step_rule["max_block_size"] if rule else "the policy's b",
+                        "chosen_on": step_rule.get("chosen_on") if rule else "the label set",
+                        "tune_gain": step_rule.get("gain") if rule else None,
+                        **{kind: headline_numbers(results, summary, policy_info, kind, method=method)
+                           for kind in kinds}}
+    return out

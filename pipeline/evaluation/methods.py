@@ -1,0 +1,43 @@
+"""What evaluate compares, per prompt, all from one shared prefill:
+
+* ``AR``: b = 1, plain autoregressive decoding (the speedup reference);
+* ``b=N``: each fixed block size (default: the paper's DFlash(4/8/16/32) scaled to B, i.e. {B/4, B/2, B, 2B},
+  plus every candidate in C);
+* ``adaptive``: the product's adaptive decoder (pipeline.decoding.adaptive): the policy's choice from the prefill
+  logits (its latency is measured and recorded), whose fallback b is replaced by the per-step rule ``blockpilot
+  tune`` chose on held-out label prompts when tune measured it faster there;
+* with a tuned rule, its two parts apart: ``policy`` (the policy alone, every step verifying the whole block) and
+  ``per-step`` (the rule alone at its b_max);
+* ``oracle``: the candidate this prompt's own label names, read from the fixed-b decodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from pipeline.policy.labels import speed_label, tau_label
+
+PER_STEP, POLICY_ONLY = "per-step", "policy"
+
+
+def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
+    """The paper compares DFlash at b = 4, 8, 16, 32 with B = 16: {B/4, B/2, B, 2B}, plus every candidate."""
+    scaled = {max(2, B // 4), max(2, B // 2), B, 2 * B}
+    return sorted(scaled | set(candidates))
+
+
+def methods_for(fixed: List[int], per_step: bool = False) -> List[str]:
+    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([POLICY_ONLY, PER_STEP] if per_step else []), "oracle"]
+
+
+def fixed_methods(methods: Sequence[str]) -> List[str]:
+    return [m for m in methods if m.startswith("b=")]
+
+
+def oracle_block_size(candidates: Sequence[int], fixed: Dict[int, Any], cost_profile: Optional[Any] = None) -> int:
+    """The per-prompt best candidate from its fixed-b decodes (``fixed[b].tau``), as the labels define it
+    (pipeline.policy.labels): the speed label (tau / the profiled step cost) when the policy came with a cost
+    profile, else the paper's tau label; ties go to the smaller b."""
+    tau = [fixed[b].tau for b in candidates]
+    best = tau_label(tau) if cost_profile is None else speed_label(tau, [cost_profile.cost(b) for b in candidates])
+    return int(candidates[best])

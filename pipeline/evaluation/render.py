@@ -1,0 +1,97 @@
+"""evaluate's summary as text: summary.md (the tables and the headline), summary.csv, the results card and the
+line the stage logs."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from pipeline.data.schemas import RESULT_COLUMNS
+from pipeline.evaluation.headline import TRAIN_CHOSEN
+
+
+
+def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.{digits}f}{suffix}"
+
+
+def render_markdown(s: Dict[str, Any]) -> str:
+    cols = [*s["datasets"], "average"]
+    out = ["# Evaluation", "",
+           f"Prompts per dataset: {s['prompts']}. Candidates {s['candidates']}; policy latency "
+           f"{_fmt(s['policy_ms_mean'], 3)} ms vs prefill {_fmt(s['prefill_ms_mean'], 3)} ms (mean). "
+           f"The policy's choices (b: prompts): {s['adaptive_choices']}; adaptive decoded "
+           f"{s.get('adaptive_rule_rows', 0)} of them with the tuned per-step rule (the policy answered its fallback "
+           "b).", ""]
+    for metric, title, suffix in (("tau", "Acceptance length tau (tokens per verify step)", ""),
+                                  ("speedup", "Speedup vs autoregressive (ratio of mean time per output token)", "x"),
+                                  ("modelled_speedup", "Modelled speedup vs autoregressive (steps x profiled step "
+                                   "cost; deterministic at T = 0)", "x"),
+                                  ("lossless", "Share of prompts whose output equals autoregressive output", "")):
+        out += [f"## {title}", "", "| method | " + " | ".join(cols) + " |",
+                "| --- |" + " ---: |" * len(cols)]
+        if metric not in s["tables"]:
+            out = out[:-4]
+            continue
+        for m in s["methods"]:
+            vals = s["tables"][metric].get(m, {})
+            out.append(f"| {m} | " + " | ".join(_fmt(vals.get(c), 3, suffix) for c in cols) + " |")
+        out.append("")
+    headline = s.get("headline", {})
+    sections = [(kind, "adaptive", headline[kind]) for kind in ("modelled", "wall") if kind in headline]
+    for key in ("policy_only", "per_step"):  # adaptive's two parts apart: the policy alone, the tuned rule alone
+        if key in headline:
+            name = headline[key]["method"] + (f" ({headline[key]['rule']})" if headline[key]["rule"] else "")
+            sections += [(kind, name, headline[key][kind]) for kind in ("modelled", "wall") if kind in headline[key]]
+    for kind, name, h in sections:
+        against = (f"the best fixed b chosen on the label set's train split (b={h['baseline_b']}), the "
+                   "hindsight-fastest fixed b" if h["baseline_is"] == TRAIN_CHOSEN else
+                   f"the hindsight-fastest fixed b (b={h['baseline_b']}; the train-chosen b was not evaluated)")
+        out += [f"## Headline ({kind}): {name} vs {against} and the oracle; gain with its 95 % bootstrap interval "
+                "over prompts", "",
+                f"| set | {name} | best fixed | hindsight fixed | oracle | oracle headroom | gain [95 % CI] | "
+                "share of the oracle's gain |", "| --- |" + " ---: |" * 7]
+        for ds, v in [*h["per_set"].items(), ("average", h)]:
+            hind = h["hindsight"] if ds == "average" else s["tables"][
+                "modelled_speedup" if kind == "modelled" else "speedup"][f"b={v['hindsight_b']}"][ds]
+            cap = "-" if v["oracle_gain_captured"] is None else f"{v['oracle_gain_captured']:.0%}"
+            out.append(f"| {ds} | {v['adaptive']:.3f}x | {v['baseline']:.3f}x | b={v['hindsight_b']} "
+                       f"{hind:.3f}x | {v['oracle']:.3f}x | {v['oracle_headroom']:+.1%} | {v['gain']:+.2%} "
+                       f"[{v['gain_ci95'][0]:+.2%}, {v['gain_ci95'][1]:+.2%}] | {cap} |")
+        out.append("")
+    if s.get("folded_policy"):
+        f = s["folded_policy"]
+        out += [f"Folded policy (reads the final hidden state): same choice as the policy on logits on {f['agree']} "
+                f"of {f['prompts']} prompts.", ""]
+    if s.get("comparisons"):
+        out += ["## Adaptive against a fixed block size (wall-clock gain, 95 % bootstrap interval over prompts)", "",
+                "| against | chosen on | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
+        for c in s["comparisons"]:
+            cells = [f"{c[ds]['gain']:+.1%} [{c[ds]['ci95'][0]:+.1%}, {c[ds]['ci95'][1]:+.1%}]" for ds in cols]
+            out.append(f"| {c['against']} | {c['chosen_on']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render_csv(s: Dict[str, Any]) -> str:
+    cols = [*s["datasets"], "average"]
+    lines = ["metric,method," + ",".join(cols)]
+    for metric in ("tau", "speedup", "modelled_speedup"):
+        if metric not in s["tables"]:
+            continue
+        for m in s["methods"]:
+            vals = s["tables"][metric].get(m, {})
+            lines.append(f"{metric},{m}," + ",".join("" if vals.get(c) is None else f"{vals[c]:.4f}" for c in cols))
+    return "\n".join(lines) + "\n"
+
+
+def results_card(methods: Sequence[str]) -> str:
+    rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in RESULT_COLUMNS)
+    return (f"# BlockPilot evaluation results\n\nOne row per prompt x method ({', '.join(methods)}); "
+            "`results.parquet` holds every shard's rows, `summary.md` / `summary.csv` the tables.\n\n"
+            f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
+
+
+def summary_lines(summary: Dict[str, Any], methods: Sequence[str]) -> List[str]:
+    speed = summary["tables"]["speedup"]
+    return ["average speedup vs AR: " + ", ".join(
+        f"{m} {_fmt(speed[m].get('average'), 2, 'x')}" for m in methods) + " (tables: summary.md)"]

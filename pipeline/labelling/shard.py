@@ -1,0 +1,50 @@
+"""A label shard (pipeline.data.schemas.labels_schema): its table from the labelled prompts, and how it is written."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.data.schemas import labels_schema
+from pipeline.io.shards import encode_metadata
+
+
+def label_row(rec: Dict[str, Any], out: Any, logits: np.ndarray, worker: str) -> Dict[str, Any]:
+    """The row of one prompt (``rec``: its prompt shard row) from its labelling (``out``: a
+    pipeline.labelling.labels result) and its prefill logits as numpy."""
+    return {"prompt_id": rec["prompt_id"], "source": rec["source"], "prompt_tokens": rec["prompt_tokens"],
+            "logits": logits, "candidates": out.candidates, "tau": out.tau, "steps": out.steps,
+            "new_tokens": out.new_tokens, "decode_seconds": out.decode_seconds,
+            "label_block_size": out.label_block_size, "label_index": out.label_index,
+            "label_speedup_block_size": out.candidates[out.label_speedup_index],
+            "prefill_seconds": out.prefill_seconds, "worker": worker}
+
+
+def label_table(rows: Iterable[Dict[str, Any]], vocab_size: int, metadata: Dict[str, Any]) -> pa.Table:
+    """The shard's table from :func:`label_row` rows, with ``metadata`` (``blockpilot.*`` keys)."""
+    schema = labels_schema(vocab_size)
+    columns: Dict[str, list] = {name: [] for name in schema.names}
+    for row in rows:
+        for name in schema.names:
+            columns[name].append(row[name])
+    arrays = []
+    for f in schema:
+        if f.name == "logits":
+            # float16-rounded values (the precision of v1) stored as float32: every reader reads float32 with
+            # byte-stream-split, and the low mantissa bytes, all zero, cost almost nothing once split.
+            flat = np.concatenate(columns["logits"]).astype(np.float32) if columns["logits"] else \
+                np.zeros(0, dtype=np.float32)
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), vocab_size))
+        else:
+            arrays.append(pa.array(columns[f.name], type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema.with_metadata(encode_metadata(metadata)))
+
+
+def parquet_options(table: pa.Table) -> Dict[str, Any]:
+    """Byte-stream-split logits, dictionary-coded strings, and row groups of ~128 MB of logits, so that a reader's
+    memory stays bounded at a full vocabulary."""
+    vocab = table.schema.field("logits").type.list_size
+    return dict(compression="zstd", use_byte_stream_split=["logits.list.element"], use_dictionary=["source", "worker"],
+                row_group_size=max(1, min(max(1, table.num_rows), (128 << 20) // (4 * vocab))))

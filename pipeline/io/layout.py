@@ -30,6 +30,7 @@ POLICY_WEIGHTS = "model.safetensors"
 POLICY_FILES = (POLICY_META, POLICY_WEIGHTS)
 STEP_RULE = "step_rule.json"  # tune's choice of per-step verify rule
 METRICS = "metrics.jsonl"  # train's per-epoch metrics
+CURVES = "curves.png"  # train's loss and val curves
 
 # ---- stage folders -----------------------------------------------------------------------------------------------
 PROMPTS, LABELS, TRAIN, POLICY, TUNE, EVAL, REPORT = "prompts", "labels", "train", "policy", "tune", "eval", "report"

@@ -1,13 +1,13 @@
-"""The train loop's optimiser step (stages/train.py: train_step) learns, for each objective, on a problem with a
-known answer. (The integration run trains 4 epochs on ~12 rows of random-model labels, where whether the loss falls
-is seed luck; this is where learning itself is checked.)"""
+"""The train loop's optimiser step (pipeline/training/loop.py: train_step) learns, for each objective, on a problem
+with a known answer. (The integration run trains 4 epochs on ~12 rows of random-model labels, where whether the loss
+falls is seed luck; this is where learning itself is checked.)"""
 
 import numpy as np
 import pytest
 import torch
 
 from pipeline.policy.blocksize import BlockSizeMLP, speed_targets
-from stages.train import train_step
+from pipeline.training.loop import train_step
 
 
 def _problem(n=96, v=48, c=5, seed=0):

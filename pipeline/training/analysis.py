@@ -1,0 +1,89 @@
+"""The held-out analyses of a speed policy: the fallback margin calibrated on the calibration rows, then on the val
+rows (never seen by the fit nor the calibration) the modelled gain over the fallback b, and the share of the
+oracle's gain, of the MLP's raw argmax, the MLP with its fallback (the exported policy), a ridge regression on
+principal components of the logits with the same calibrated fallback, and a perfect predictor of the paper's label.
+Also the val metrics of modelled speed the epoch loop logs."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import torch
+
+from pipeline.policy.blocksize import calibrate_margin, speed_gain, speed_targets, transform_inputs
+from pipeline.policy.labels import speed_label, tau_label
+
+from .data import Splits
+
+RIDGE_COMPONENTS = 32
+RIDGE_ALPHA = 10.0
+
+
+def val_speed_metrics(tau: np.ndarray, costs: np.ndarray, chosen: np.ndarray, fixed_index: int) -> Dict[str, float]:
+    """Modelled speed over the train-chosen fixed b of ``chosen`` (the raw argmax, no fallback) and of the oracle
+    (the speed label)."""
+    fixed = np.full(len(tau), fixed_index)
+    return {"speed_gain_policy": speed_gain(tau, costs, chosen, fixed),
+            "speed_gain_oracle": speed_gain(tau, costs, np.asarray(speed_label(tau, costs)), fixed)}
+
+
+def mlp_predictions(model, x: np.ndarray, input_transform: str, scale: float) -> np.ndarray:
+    """The speed MLP's predicted log speed ratios over the fallback [N, |C|] (its outputs times ``scale``)."""
+    model.eval()
+    with torch.no_grad():
+        s = model(transform_inputs(torch.from_numpy(x), input_transform)).numpy().astype(np.float64)
+    return s * scale
+
+
+def ridge_predictions(x: np.ndarray, target: np.ndarray, train: np.ndarray, components: int = RIDGE_COMPONENTS,
+                      alpha: float = RIDGE_ALPHA) -> np.ndarray:
+    """The linear baseline: ``components`` principal components of the train rows' logits (standardised, plus a
+    constant) -> every candidate's target, by ridge regression fitted on the train rows; predicted for every row."""
+    mu = x[train].mean(axis=0)
+    _, _, vt = np.linalg.svd(x[train] - mu, full_matrices=False)
+    z = (x - mu) @ vt[:components].T
+    z /= z[train].std(axis=0).clip(1e-6)
+    zt = np.c_[z, np.ones(len(z))]
+    w = np.linalg.solve(zt[train].T @ zt[train] + alpha * np.eye(zt.shape[1]), zt[train].T @ target[train])
+    return zt @ w
+
+
+def with_fallback(pred: np.ndarray, calib: np.ndarray, tau: np.ndarray, costs: np.ndarray,
+                  fallback_index: int) -> Tuple[np.ndarray, np.ndarray, Dict[str, Any]]:
+    """(raw argmax, the choice with the calibrated fallback, the calibration) of predicted log speed ratios: switch
+    from the fallback only where the predicted gain exceeds the margin calibrated on the ``calib`` rows."""
+    best = pred.argmax(axis=1)
+    gain = pred.max(axis=1) - pred[:, fallback_index]
+    cal = calibrate_margin(gain[calib], best[calib], tau[calib], costs, fallback_index)
+    fb = np.full(len(tau), fallback_index)
+    chosen = fb if cal["margin"] is None else np.where(gain > cal["margin"], best, fb)
+    return best, chosen, cal
+
+
+def held_out(model, input_transform: str, x: np.ndarray, splits: Splits, costs: np.ndarray, fallback_index: int,
+             scale: float) -> Dict[str, Any]:
+    """The analyses of the module docstring; ``x`` every row's logits, in the order of ``splits``."""
+    tau = splits.tau
+    target = speed_targets(tau.astype(np.float64), costs, fallback_index)
+    out: Dict[str, Any] = {}
+    policies: Dict[str, np.ndarray] = {}
+    for name, pred in (("mlp", mlp_predictions(model, x, input_transform, scale)),
+                       ("ridge", ridge_predictions(x, target, splits.train))):
+        best, chosen, cal = with_fallback(pred, splits.calib, tau, costs, fallback_index)
+        policies[f"{name}_argmax"] = best
+        policies[f"{name}_with_fallback"] = chosen
+        out["calibration" if name == "mlp" else "ridge_calibration"] = cal
+    policies["paper_label_perfect"] = np.asarray(tau_label(tau))
+    policies["oracle"] = oracle = np.asarray(speed_label(tau, costs))
+    va = splits.val
+    fb = np.full(len(tau), fallback_index)
+    n_val = int(va.sum())
+    oracle_gain = speed_gain(tau[va], costs, oracle[va], fb[va]) if n_val else 0.0
+    out["val_rows"] = n_val
+    out["val"] = {}
+    for name, chosen in policies.items():
+        g = speed_gain(tau[va], costs, chosen[va], fb[va]) if n_val else 0.0
+        out["val"][name] = {"gain": g, "oracle_gain_captured": g / oracle_gain if oracle_gain > 0 else None,
+                            "switched": int((chosen[va] != fb[va]).sum())}
+    return out

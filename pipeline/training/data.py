@@ -1,0 +1,138 @@
+"""Label shards -> arrays: a batch's (logits, label index, tau), one split's batches epoch after epoch, and the
+driver's view of the split (small columns only, no logits).
+
+The rows split train / calibration / val by a hash of prompt_id (:func:`pipeline.policy.blocksize.split_of`), so the
+split is the same on every run, machine and shard layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from pipeline.io.storage import read_table
+from pipeline.policy.blocksize import split_of
+from pipeline.policy.labels import speed_label
+
+Batch = Tuple[np.ndarray, np.ndarray, np.ndarray]  # logits [n, V], label index [n], tau [n, |C|]
+
+# The stored label a classifier reads (objective hard with train.label=tau, paper, soft); speed, and hard with
+# train.label=speedup, recompute theirs from tau under train.cost_profile (:func:`to_arrays`).
+LABEL_COLUMN = "label_block_size"
+
+
+def uses_costs(objective: str, label: str) -> bool:
+    """Whether the model learns from the speed label (argmax tau / cost) rather than the stored argmax-tau one."""
+    return objective == "speed" or (objective == "hard" and label == "speedup")
+
+
+def label_index(block_sizes: Iterable[Any], candidates: Sequence[int]) -> np.ndarray:
+    """Each stored label block size as its index among the candidates."""
+    index = {b: i for i, b in enumerate(candidates)}
+    return np.array([index[int(b)] for b in block_sizes], dtype=np.int64)
+
+
+def to_arrays(batch: Dict[str, np.ndarray], candidates: List[int], label_col: str = LABEL_COLUMN,
+              costs: Optional[Sequence[float]] = None) -> Batch:
+    """(logits, label index, tau). With ``costs`` (seconds per step per candidate, train.cost_profile) the label is
+    the speed label, whatever profile the rows were labelled on."""
+    x = np.stack(batch["logits"]).astype(np.float32)
+    tau = np.stack(batch["tau"]).astype(np.float32)
+    if costs is not None:
+        y = np.asarray(speed_label(tau, costs), dtype=np.int64)
+    else:
+        y = label_index(batch[label_col], candidates)
+    return x, y, tau
+
+
+def histogram(index: np.ndarray, candidates: List[int]) -> Dict[int, int]:
+    """Rows per candidate block size, from label indices."""
+    counts = np.bincount(np.asarray(index, dtype=np.int64), minlength=len(candidates))
+    return {int(b): int(n) for b, n in zip(candidates, counts)}
+
+
+class SplitData:
+    """One split's batches, epoch after epoch, from ``shard`` (anything with Ray Data's ``iter_batches``). A split
+    that fits in memory (decided by the driver) is read once and reshuffled in memory, since re-running the read
+    pipeline every epoch costs more than the epoch (benchmarks/results/train-report-cost.md)."""
+
+    def __init__(self, shard, config: Dict[str, Any], shuffle: bool):
+        self.shard, self.shuffle = shard, shuffle
+        self.t, self.cands, self.label_col = config["train"], config["candidates"], config["label_column"]
+        self.in_memory = config["cache_in_memory"]
+        self.costs = config.get("costs")
+        self._cache: Optional[Batch] = None
+
+    def _stream(self, seed: Optional[int]) -> Iterator[Batch]:
+        kwargs = {"local_shuffle_buffer_size": 4 * self.t["batch_size"], "local_shuffle_seed": seed} \
+            if seed is not None else {}
+        for b in self.shard.iter_batches(batch_size=self.t["batch_size"], batch_format="numpy", **kwargs):
+            yield to_arrays(b, self.cands, self.label_col, self.costs)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        seed = self.t["seed"] + epoch if self.shuffle else None
+        if not self.in_memory:
+            yield from self._stream(seed)
+            return
+        if self._cache is None:
+            parts = list(self._stream(None))
+            self._cache = tuple(np.concatenate([p[i] for p in parts]) if parts else np.zeros((0,))
+                                for i in range(3))
+        x, y, tau = self._cache
+        order = np.random.default_rng(seed).permutation(len(y)) if self.shuffle else np.arange(len(y))
+        for i in range(0, len(y), self.t["batch_size"]):
+            idx = order[i:i + self.t["batch_size"]]
+            yield x[idx], y[idx], tau[idx]
+
+
+@dataclass
+class Splits:
+    """The driver's view of the label set, one entry per row in shard order."""
+
+    split: np.ndarray  # "train" | "calib" | "val"
+    tau: np.ndarray  # float32 [N, |C|]
+    y: np.ndarray  # the label index the model learns (the speed label when it uses costs)
+    y_tau: np.ndarray  # the stored argmax-tau label index
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.split == "train"
+
+    @property
+    def calib(self) -> np.ndarray:
+        return self.split == "calib"
+
+    @property
+    def val(self) -> np.ndarray:
+        return self.split == "val"
+
+
+def in_split(prompt_ids: Iterable[str], split: str, val_fraction: float,
+             calibration_fraction: float = 0.0) -> np.ndarray:
+    """Row mask of the prompts in ``split`` ("train" | "calib" | "val")."""
+    return np.array([split_of(i, val_fraction, calibration_fraction) == split for i in prompt_ids], dtype=bool)
+
+
+def read_splits(shards: List[Path], val_fraction: float, candidates: List[int], calibration_fraction: float = 0.0,
+                costs: Optional[Sequence[float]] = None, label_col: str = LABEL_COLUMN) -> Splits:
+    """The split, tau and labels of every row (no logits: this runs on the driver)."""
+    import pyarrow as pa
+
+    t = pa.concat_tables([read_table(p, columns=["prompt_id", "tau", label_col]) for p in shards])
+    ids = t.column("prompt_id").to_pylist()
+    split = np.array([split_of(i, val_fraction, calibration_fraction) for i in ids])
+    tau = np.array(t.column("tau").to_pylist(), dtype=np.float32)
+    y_tau = label_index(t.column(label_col).to_pylist(), candidates)
+    y = np.asarray(speed_label(tau, costs), dtype=np.int64) if costs is not None else y_tau
+    return Splits(split, tau, y, y_tau)
+
+
+def read_logits(shards: List[Path]) -> np.ndarray:
+    """Every row's logits [N, V] float32, in shard order (the held-out analyses need them all at once)."""
+    import pyarrow as pa
+
+    tab = pa.concat_tables([read_table(p, columns=["logits"]) for p in shards])
+    return np.stack(tab.column("logits").to_numpy(zero_copy_only=False)).astype(np.float32)

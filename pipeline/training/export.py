@@ -1,0 +1,82 @@
+"""The trained policy's export: the last checkpoint's model, its metadata (policy.json, read back by
+:class:`pipeline.policy.blocksize.BlockSizePolicy`) and the cost profile it was trained with, beside it.
+
+The metadata names the train-chosen fixed b as ``fallback_block_size`` for every objective
+(:func:`pipeline.policy.blocksize.train_chosen_block_size` reads it); only a speed policy (``score`` =
+log_speed_ratio) answers it as its fallback. ``best_fixed_block_size`` repeats it for the readers that still use
+that name (evaluate's comparisons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from pipeline.io.layout import COST_PROFILE
+from pipeline.policy.blocksize import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy
+
+from .analysis import held_out
+from .data import read_logits
+from .problem import Problem
+
+
+@dataclass
+class ExportInput:
+    """What the export needs: the run's problem and settings, and the last checkpoint's state and history."""
+
+    problem: Problem
+    train: Any  # the train config (pipeline.runtime.config.TrainConfig)
+    state: Dict[str, Any]  # checkpoint.load_state's: model, optimizer, epoch
+    history: List[Dict[str, Any]]
+    label_dataset_fingerprint: str  # the label set's manifest sha256
+
+    @property
+    def epochs(self) -> int:
+        return int(self.state["epoch"]) + 1
+
+
+def model_of(inp: ExportInput) -> BlockSizeMLP:
+    t, p = inp.train, inp.problem
+    model = BlockSizeMLP(p.vocab_size, len(p.candidates), t.hidden, t.n_layers, t.dropout)
+    model.load_state_dict(inp.state["model"])
+    return model.eval()
+
+
+def policy_metadata(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
+    """policy.json's info; ``held`` the held-out analyses (a speed policy's margin and calibration), else {}."""
+    p, t = inp.problem, inp.train
+    b = p.train_chosen_block_size
+    info: Dict[str, Any] = {
+        "label_dataset_fingerprint": inp.label_dataset_fingerprint, "label": t.label, "objective": t.objective,
+        "epochs": inp.epochs, "final_metrics": inp.history[-1], "fallback_block_size": b,
+        "best_fixed_block_size": b, "trained_block_size": p.trained_block_size,
+        "best_fixed_chosen_on": p.fixed_chosen_on}
+    if p.profile is not None:
+        info["cost_profile"] = {"file": COST_PROFILE, "source": str(p.profile_path),
+                                "seconds": {str(c): p.profile.cost(c) for c in p.candidates},
+                                "device": p.profile.meta.get("device"), "hardware": p.profile.meta.get("hardware")}
+    if p.speed is not None:
+        info.update(score=SPEED_SCORE, score_scale=p.speed["scale"], margin=held["calibration"]["margin"],
+                    calibration=held["calibration"])
+    else:
+        info["score"] = "class_logits"
+    return info
+
+
+def export_policy(inp: ExportInput, policy_dir: Path) -> Dict[str, Any]:
+    """Writes the policy (and its cost profile, what evaluate's modelled speedups use) to ``policy_dir``; returns the
+    held-out analyses (empty but for a speed policy)."""
+    p, t = inp.problem, inp.train
+    model = model_of(inp)
+    held: Dict[str, Any] = {}
+    if p.speed is not None:
+        held = held_out(model, t.input_transform, read_logits(p.shards), p.splits, np.asarray(p.costs),
+                        p.fixed_index, p.speed["scale"])
+    policy = BlockSizePolicy(model, p.candidates, p.vocab_size, t.input_transform, policy_metadata(inp, held))
+    policy.save_pretrained(policy_dir)
+    if p.profile is not None:
+        p.profile.save(policy_dir / COST_PROFILE)
+    return held

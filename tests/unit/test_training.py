@@ -1,0 +1,204 @@
+"""pipeline/training without Ray: the label set -> arrays and splits, the baselines, the epoch loop's reports, the
+checkpoint folder, the metrics log, the held-out analyses, and the export read back through BlockSizePolicy."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from pipeline.io.layout import COST_PROFILE, METRICS, POLICY, POLICY_META
+from pipeline.io.shards import encode_metadata, shard_name, write_parquet_atomic
+from pipeline.policy.blocksize import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy, split_of, train_chosen_block_size
+from pipeline.policy.cost import CostProfile
+from pipeline.runtime.config import TrainConfig
+from pipeline.training import analysis, checkpoint
+from pipeline.training.data import LABEL_COLUMN, SplitData, in_split, to_arrays
+from pipeline.training.export import ExportInput, export_policy
+from pipeline.training.loop import fit, reports_at
+from pipeline.training.problem import load_problem, train_chosen_index
+from pipeline.training.progress import EpochLog, write_history
+from pipeline.training.summary import summary_lines, train_summary
+
+CANDS = [2, 4, 8]
+COSTS = {2: 1.0, 4: 2.0, 8: 4.0}
+V = 6
+
+
+def test_the_speed_label_of_a_batch_is_argmax_tau_over_cost_ties_to_the_smaller_b():
+    tau = [[1.5, 4.0, 4.5],  # tau / cost = 1.5, 2.0, 1.125 -> b=4 (argmax tau would say b=8)
+           [2.0, 4.0, 8.0],  # 2, 2, 2: a three-way tie -> the smallest b
+           [3.0, 2.0, 4.0]]  # 3, 1, 1 -> b=2
+    batch = {"logits": [np.zeros(V)] * 3, "tau": [np.array(r) for r in tau], LABEL_COLUMN: np.array([8, 8, 8])}
+    x, y, t = to_arrays(batch, CANDS, LABEL_COLUMN, [COSTS[b] for b in CANDS])
+    assert y.tolist() == [1, 0, 0] and y.dtype == np.int64
+    assert x.shape == (3, V) and x.dtype == t.dtype == np.float32
+    _, y_stored, _ = to_arrays(batch, CANDS, LABEL_COLUMN)  # without costs: the stored label, as an index
+    assert y_stored.tolist() == [2, 2, 2]
+
+
+def test_the_train_chosen_fixed_b_is_the_least_mean_time_per_token():
+    tau = np.array([[1.0, 3.0, 4.0], [1.0, 1.0, 8.0]])
+    # cost / tau: b=2 (1, 1) -> 1; b=4 (2/3, 2) -> 1.333; b=8 (1, 0.5) -> 0.75
+    assert train_chosen_index(tau, [COSTS[b] for b in CANDS]) == 2
+    assert train_chosen_index(tau, None) == 2  # mean tau 1, 2, 6
+    assert train_chosen_index(np.array([[1.0, 2.0, 4.0]]), [1.0, 2.0, 4.0]) == 0  # a tie: the smaller b
+
+
+def _label_set(folder, n=120, seed=0):
+    """Two label shards of n rows in all (random logits and tau), and a cost profile beside them."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    meta = encode_metadata({"candidates": CANDS, "vocab_size": V, "trained_block_size": 4})
+    for i, rows in enumerate(np.array_split(np.arange(n), 2)):
+        tau = rng.uniform(1.0, 6.0, (len(rows), len(CANDS)))
+        table = pa.table({"prompt_id": [f"p{r}" for r in rows],
+                          "logits": [rng.normal(0, 1, V).tolist() for _ in rows],
+                          "tau": tau.tolist(), LABEL_COLUMN: [CANDS[j] for j in tau.argmax(axis=1)]})
+        write_parquet_atomic(table.replace_schema_metadata(meta), folder / shard_name(i))
+    CostProfile(dict(COSTS)).save(folder / COST_PROFILE)
+    return folder
+
+
+def test_the_splits_are_disjoint_cover_every_row_and_follow_the_prompt_id(tmp_path):
+    train = replace(TrainConfig(), val_fraction=0.25, calibration_fraction=0.2, objective="speed")
+    p = load_problem(train, _label_set(tmp_path / "labels"))
+    s = p.splits
+    masks = np.stack([s.train, s.calib, s.val])
+    assert (masks.sum(axis=0) == 1).all() and masks.sum(axis=1).min() > 0  # each row in exactly one, none empty
+    ids = [f"p{r}" for r in range(120)]
+    assert s.split.tolist() == [split_of(i, 0.25, 0.2) for i in ids]
+    for name, mask in (("train", s.train), ("calib", s.calib), ("val", s.val)):  # the workers' filter agrees
+        assert (in_split(ids, name, 0.25, 0.2) == mask).all()
+    costs = np.array([COSTS[b] for b in CANDS])
+    assert (s.y == (s.tau / costs).argmax(axis=1)).all()  # speed: the speed label
+    assert p.costs == [1.0, 2.0, 4.0] and p.speed["fallback_index"] == p.fixed_index
+    paper = load_problem(replace(train, objective="paper"), tmp_path / "labels")
+    assert not paper.splits.calib.any() and (paper.splits.y == paper.splits.y_tau).all()
+
+
+class _Shard:
+    """Ray Data's iter_batches over numpy rows."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def iter_batches(self, batch_size, batch_format, **_):
+        for i in range(0, len(self.rows["tau"]), batch_size):
+            yield {k: v[i:i + batch_size] for k, v in self.rows.items()}
+
+
+def _loop_config(epochs, every, objective="paper"):
+    t = {"input_transform": "none", "objective": objective, "batch_size": 4, "seed": 0, "epochs": epochs,
+         "checkpoint_every": every}
+    return {"train": t, "candidates": CANDS, "label_column": LABEL_COLUMN, "cache_in_memory": True,
+            "costs": [COSTS[b] for b in CANDS], "fixed_index": 1, "trained_index": 1}
+
+
+def _rows(n=10, seed=0):
+    rng = np.random.default_rng(seed)
+    tau = rng.uniform(1.0, 6.0, (n, 3))
+    return {"logits": rng.normal(0, 1, (n, V)), "tau": tau, LABEL_COLUMN: np.array([CANDS[j] for j in
+                                                                                    tau.argmax(axis=1)])}
+
+
+def test_fit_reports_every_n_epochs_and_at_the_last_and_resumes():
+    torch.manual_seed(0)
+    config = _loop_config(epochs=5, every=2)
+    model = BlockSizeMLP(V, 3, hidden=8, n_layers=1, dropout=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = SplitData(_Shard(_rows()), config, shuffle=True)
+    reports = []
+    history = fit(model, opt, data, SplitData(_Shard(_rows(seed=1)), config, shuffle=False), config, 0, [],
+                  lambda e, m, h: reports.append((e, m["epoch"], len(h))))
+    assert reports == [(1, 1, 2), (3, 3, 4), (4, 4, 5)]
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3, 4]
+    assert {"val_accuracy", "val_speed_gain_policy", "val_speed_gain_oracle"} <= set(history[-1])
+    assert history[-1]["val_speed_gain_oracle"] >= history[-1]["val_speed_gain_policy"]
+    resumed = fit(model, opt, data, data, config, 3, history[:3], lambda *a: reports.append(a[0]))
+    assert reports[-2:] == [3, 4] and [h["epoch"] for h in resumed] == [0, 1, 2, 3, 4]
+    assert [reports_at(e, 10, 3) for e in range(10)] == [e in (2, 5, 8, 9) for e in range(10)]
+
+
+def test_a_checkpoint_folder_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = BlockSizeMLP(V, 3, hidden=8, n_layers=2, dropout=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    checkpoint.save_state(tmp_path, model, opt, 6, [{"epoch": 6, "train_loss": 0.5}])
+    other = BlockSizeMLP(V, 3, hidden=8, n_layers=2, dropout=0.0)
+    start, history = checkpoint.restore(tmp_path, other, torch.optim.Adam(other.parameters(), lr=1e-2))
+    assert start == 7 and history == [{"epoch": 6, "train_loss": 0.5}]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+
+
+def test_the_epoch_log_shows_every_tenth_epoch_and_the_last(tmp_path):
+    write_history([{"epoch": e, "train_loss": 1.0 / (e + 1)} for e in range(25)], tmp_path)
+    log = EpochLog(tmp_path / METRICS, epochs=25, enabled=False)
+    assert [line.split()[1] for line in log.lines()] == ["2/25", "4/25", "6/25", "8/25", "10/25", "12/25", "14/25",
+                                                         "16/25", "18/25", "20/25", "22/25", "24/25", "25/25"]
+    assert log.lines() == []  # each once
+    assert (tmp_path / METRICS).read_text().count("\n") == 25
+
+
+def test_ridge_recovers_a_linear_target_and_the_fallback_keeps_the_fallback_b():
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (200, 5))
+    target = x @ rng.normal(0, 1, (5, 3)) + 0.5
+    pred = analysis.ridge_predictions(x, target, np.ones(200, bool), components=5, alpha=1e-9)
+    assert np.allclose(pred, target, atol=1e-6)
+    assert not np.allclose(analysis.ridge_predictions(x, target, np.ones(200, bool), components=2, alpha=1e-9),
+                           target, atol=1e-2)  # the components limit what it can fit
+    tau = np.full((4, 3), 2.0)  # every b equally accepted: the cheapest (the fallback here) is fastest
+    best, chosen, cal = analysis.with_fallback(np.array([[0.0, 1.0, 0.5]] * 4), np.ones(4, bool), tau,
+                                               np.array([1.0, 2.0, 4.0]), 0)
+    assert best.tolist() == [1] * 4 and chosen.tolist() == [0] * 4 and cal["margin"] is None
+
+
+def _problem(tmp_path, objective):
+    train = replace(TrainConfig(), val_fraction=0.25, calibration_fraction=0.2, objective=objective, hidden=8,
+                    n_layers=2, dropout=0.0)
+    labels = tmp_path / "labels"
+    if not labels.exists():
+        _label_set(labels)
+    return train, load_problem(train, labels)
+
+
+@pytest.mark.parametrize("objective", ["speed", "paper"])
+def test_the_export_round_trips_through_the_policy_and_names_the_train_chosen_b(tmp_path, objective):
+    train, p = _problem(tmp_path, objective)
+    torch.manual_seed(0)
+    model = BlockSizeMLP(V, 3, hidden=8, n_layers=2, dropout=0.0)
+    history = [{"epoch": 0, "train_loss": 1.0, "val_accuracy": 0.5, "val_tau_policy": 3.0, "val_tau_best_fixed": 2.9,
+                "val_tau_oracle": 4.0}]
+    inp = ExportInput(p, train, {"model": model.state_dict(), "epoch": 0}, history, "sha")
+    held = export_policy(inp, tmp_path / POLICY)
+    policy = BlockSizePolicy.from_pretrained(tmp_path / POLICY)
+    b = CANDS[p.fixed_index]
+    assert train_chosen_block_size(policy.info) == policy.train_chosen_block_size == b
+    assert policy.info["fallback_block_size"] == policy.info["best_fixed_block_size"] == b
+    assert policy.candidates == CANDS and policy.info["epochs"] == 1
+    assert policy.info["label_dataset_fingerprint"] == "sha"
+    assert policy.info["cost_profile"]["seconds"] == {str(c): COSTS[c] for c in CANDS}
+    assert CostProfile.load(tmp_path / POLICY / COST_PROFILE).seconds == COSTS
+    x = torch.randn(5, V)
+    assert torch.equal(policy.scores(x), model.eval()(x))
+    if objective == "speed":
+        assert policy.info["score"] == SPEED_SCORE and policy.fallback_block_size == b
+        assert policy.margin == held["calibration"]["margin"] and set(held["val"]) >= {"mlp_with_fallback", "oracle"}
+        assert held["val_rows"] == int(p.splits.val.sum())
+    else:  # a classifier names the train-chosen b but has no fallback
+        assert policy.info["score"] == "class_logits" and policy.fallback_block_size is None and held == {}
+    s = train_summary(inp, held)
+    s["policy"] = "P"
+    assert s["fallback_block_size"] == s["best_fixed_block_size"] == b
+    assert s["train_rows"] + s["calibration_rows"] + s["val_rows"] == 120
+    lines = summary_lines(s)
+    assert f"train-chosen b={b}" in lines[1] and "best fixed" not in " ".join(lines)
+    assert (len(lines) == 4) == (objective == "speed")
+    hist = s["label_histograms"]
+    costs = np.array([COSTS[c] for c in CANDS])
+    assert hist["argmax_tau_over_cost"] == {c: int(((p.splits.tau / costs).argmax(1) == i).sum())
+                                            for i, c in enumerate(CANDS)}
+    assert json.loads((tmp_path / POLICY / POLICY_META).read_text())["objective"] == objective

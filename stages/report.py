@@ -14,9 +14,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from pipeline.runtime.config import PipelineConfig
-from pipeline.executor.driver import StageFolder
+from pipeline.executor.folder import StageFolder
 from pipeline.runtime.log import get as log
 from pipeline.io.shards import is_complete, list_shards, write_text_atomic
+from pipeline.evaluation.table import headline_rows
+from pipeline.io.layout import CONFIG, POLICY, STEP_RULE, SUMMARY, RunLayout
 from pipeline.io.storage import location, read_table, savefig
 
 
@@ -94,9 +96,9 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
     import polars as pl
     import torch
 
-    from pipeline.policy.blocksize import BlockSizePolicy, is_val
+    from pipeline.policy.blocksize import BlockSizePolicy, is_val, train_chosen_block_size
 
-    s = json.loads((train_dir / "summary.json").read_text())
+    s = json.loads((train_dir / SUMMARY).read_text())
     f = s["final"]
     md = ["## Policy", "", f"{s['train_rows']} train / {s['val_rows']} val rows, {s['epochs']} epochs; "
           f"training curves: ![curves](../train/curves.png)", ""]
@@ -106,15 +108,15 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
             [f"val majority-class accuracy (b={s['majority_class_block_size']})", s["val_majority_accuracy"]],
             ["val top-2 accuracy", f["val_top2_accuracy"]],
             ["val mean tau: policy", f["val_tau_policy"]],
-            [f"val mean tau: best fixed b={s['best_fixed_block_size']} (chosen on train)", f["val_tau_best_fixed"]],
+            [f"val mean tau: train-chosen b={train_chosen_block_size(s)}", f["val_tau_best_fixed"]],
             ["val mean tau: trained B", f["val_tau_trained_b"]],
             ["val mean tau: oracle", f["val_tau_oracle"]],
             ["val regret (oracle - policy)", f["val_regret"]]]), ""]
-    policy = BlockSizePolicy.from_pretrained(train_dir / "policy")
+    policy = BlockSizePolicy.from_pretrained(train_dir / POLICY)
     from omegaconf import OmegaConf
 
     # The split the policy was trained with, from the train stage's resolved config.
-    val_fraction = float(OmegaConf.create((train_dir / "config.yaml").read_text()).train.val_fraction)
+    val_fraction = float(OmegaConf.create((train_dir / CONFIG).read_text()).train.val_fraction)
     label_col = "label_speedup_block_size" if policy.info.get("label") == "speedup" else "label_block_size"
     rows = []
     for p in list_shards(labels_dir):
@@ -143,7 +145,7 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
 
 
 def eval_section(eval_dir: Path, out: Path) -> List[str]:
-    s = json.loads((eval_dir / "summary.json").read_text())
+    s = json.loads((eval_dir / SUMMARY).read_text())
     md = ["## Evaluation (held-out prompt sets)", "", (eval_dir / "summary.md").read_text().split("\n", 1)[1], ""]
     plt = _plt()
     methods, datasets = s["methods"], [*s["datasets"], "average"]
@@ -166,7 +168,7 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     the distribution of verified lengths per rule variant."""
     import polars as pl
 
-    choice = json.loads((tune_dir / "step_rule.json").read_text())
+    choice = json.loads((tune_dir / STEP_RULE).read_text())
     df = pl.concat([pl.from_arrow(read_table(p)) for p in list_shards(tune_dir)])
     md = ["## Per-step verify length", "",
           f"Chosen on {choice['prompts']} {choice['chosen_on']}: `{choice['rule']}` at b_max={choice['max_block_size']}"
@@ -204,53 +206,39 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     return md
 
 
-def headline(output_dir: Path) -> Dict[str, Optional[float]]:
-    """The numbers `blockpilot run` ends with: adaptive vs best fixed b vs oracle, tau and speedup (average)."""
-    p = output_dir / "eval" / "summary.json"
+def headline(output_dir: Path) -> Dict[str, Any]:
+    """What `blockpilot run` ends with: the table rows (pipeline.evaluation.table) and evaluate's whole headline
+    (modelled and wall, per set, intervals, the rule and the policy apart), from eval/summary.json."""
+    p = RunLayout(output_dir).eval / SUMMARY
     if not p.exists():
         return {}
     s = json.loads(p.read_text())
-    tau, sp = s["tables"]["tau"], s["tables"]["speedup"]
-    fixed = [m for m in s["methods"] if m.startswith("b=")]
-    # "Best fixed b" as deployments pick it: the fastest single block size (a longer block can accept more
-    # tokens per step and still be slower, as each step costs more).
-    best = max(fixed, key=lambda m: sp[m]["average"] or 0) if fixed else None
-    trained = f"b={s.get('trained_block_size')}"
-    return {"adaptive_tau": tau["adaptive"]["average"], "adaptive_speedup": sp["adaptive"]["average"],
-            "trained_b": trained if trained in tau else None,
-            "trained_b_tau": tau[trained]["average"] if trained in tau else None,
-            "trained_b_speedup": sp[trained]["average"] if trained in tau else None,
-            "best_fixed": best, "best_fixed_tau": tau[best]["average"] if best else None,
-            "best_fixed_speedup": sp[best]["average"] if best else None,
-            "oracle_tau": tau["oracle"]["average"], "oracle_speedup": sp["oracle"]["average"],
-            # adaptive / fixed - 1 on the average over the sets, with its 95 % bootstrap interval over prompts
-            "gains": [{"against": c["against"], "chosen_on": c["chosen_on"], "gain": c["average"]["gain"],
-                       "gain_ci95": c["average"]["ci95"]} for c in s.get("comparisons", [])],
-            # headline.modelled (steps x profiled step cost) and headline.wall: adaptive, best_fixed_b, best_fixed,
-            # hindsight_fixed_b, hindsight_fixed, oracle, gain, gain_ci95, oracle_gain_captured (+ per_set)
-            **s.get("headline", {}), "folded_policy": s.get("folded_policy")}
+    return {"rows": headline_rows(s), "train_chosen_b": s.get("train_chosen_b"),
+            "trained_block_size": s.get("trained_block_size"), **s.get("headline", {}),
+            "comparisons": s.get("comparisons", []), "folded_policy": s.get("folded_policy")}
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
     root = location(cfg.output_dir)
-    out = root / "report"
+    run_dir = RunLayout(root)
+    out = run_dir.report
     folder = StageFolder(out, "report")  # no fingerprint: a report is always remade from what is there
     folder.ensure_writable()
     folder.start(cfg)
     md = ["# BlockPilot report", "", f"Run folder: `{root}`.", ""]
     done = []
-    if is_complete(root / "labels"):
-        md += label_section(root / "labels", out)
+    if is_complete(run_dir.labels):
+        md += label_section(run_dir.labels, out)
         done.append("labels")
-    if is_complete(root / "train"):
-        md += train_section(root / "train", root / "labels", out)
+    if is_complete(run_dir.train):
+        md += train_section(run_dir.train, run_dir.labels, out)
         done.append("train")
-    if is_complete(root / "tune"):
-        md += tune_section(root / "tune", out)
+    if is_complete(run_dir.tune):
+        md += tune_section(run_dir.tune, out)
         done.append("tune")
-    if is_complete(root / "eval"):
-        md += eval_section(root / "eval", out)
+    if is_complete(run_dir.eval):
+        md += eval_section(run_dir.eval, out)
         done.append("eval")
     if not done:
         raise FileNotFoundError(f"nothing to report in {root}: no complete labels, train or eval stage")

@@ -23,15 +23,16 @@ import pyarrow as pa
 from pipeline.runtime.config import PipelineConfig
 from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
 from pipeline.io.shards import encode_metadata
-from pipeline.executor.driver import Plan, Rejects, ShardTask, require_complete
+from pipeline.executor.folder import require_complete
+from pipeline.executor.stage import Plan, Rejects, ShardTask
 from pipeline.io.shards import MANIFEST, file_sha256, list_shards, shard_name, write_json_atomic
+from pipeline.io.layout import COST_PROFILE, POLICY_META, STEP_RULE, RunLayout
 from pipeline.io.storage import location, read_table
+from pipeline.policy.blocksize import train_chosen_block_size
 
 from .ray_executor import execute
 from .decoding import DecodingStage
 
-RULE_FILE = "step_rule.json"
-COST_PROFILE = "cost_profile.json"
 
 
 def max_block_sizes(cfg: PipelineConfig, B: int) -> List[int]:
@@ -40,25 +41,24 @@ def max_block_sizes(cfg: PipelineConfig, B: int) -> List[int]:
 
 class TuneStage(DecodingStage):
     name = "tune"
-    extra_outputs = (RULE_FILE,)
+    extra_outputs = (STEP_RULE,)
 
     def __init__(self, cfg: PipelineConfig):
-        out = location(cfg.output_dir)
-        super().__init__(cfg, out / "tune", out / "prompts", cfg.tune.num_workers)
-        self.train_dir, self.policy_dir = out / "train", out / "train" / "policy"
+        run = RunLayout(location(cfg.output_dir))
+        super().__init__(cfg, run.tune, run.prompts, cfg.tune.num_workers)
+        self.train_dir, self.policy_dir = run.train, run.policy
 
     def requires(self):
         return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot prepare")]
 
     @cached_property
     def policy_info(self) -> Dict[str, Any]:
-        return json.loads((self.policy_dir / "policy.json").read_text())
+        return json.loads((self.policy_dir / POLICY_META).read_text())
 
     @cached_property
     def baseline(self) -> int:
         """The fixed b a user could deploy, as the train stage chose it on the label set's train split."""
-        info = self.policy_info
-        return int(info.get("fallback_block_size") or info.get("best_fixed_block_size"))
+        return train_chosen_block_size(self.policy_info)
 
     @cached_property
     def variants(self) -> List[tuple]:
@@ -137,14 +137,14 @@ class TuneStage(DecodingStage):
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
         choice = choose_rule(pa.concat_tables([read_table(p) for p in list_shards(self.folder)]), self.baseline)
-        write_json_atomic(choice, self.folder / RULE_FILE)
+        write_json_atomic(choice, self.folder / STEP_RULE)
         return {"step_rule": choice["rule"], "max_block_size": choice["max_block_size"],
                 "gain_vs_baseline": choice["gain"], "baseline_b": self.baseline}
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         return [f"chose {summary['step_rule']} at b_max={summary['max_block_size']}: modelled gain "
                 f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on held-out label prompts "
-                f"(-> {self.folder / RULE_FILE})"]
+                f"(-> {self.folder / STEP_RULE})"]
 
     def card(self, manifest: Dict[str, Any]) -> str:
         rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in TUNE_COLUMNS)

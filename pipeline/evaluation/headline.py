@@ -75,10 +75,7 @@ def headline_numbers(results: pa.Table, summary: Dict[str, Any], policy_info: Di
     h = numbers("average")
     return {"method": method, **h, "baseline_b": int(base[2:]), "baseline_is": HINDSIGHT if chosen is None else
             TRAIN_CHOSEN, "train_chosen_b": chosen, "hindsight_b": int(hindsight[2:]),
-            "hindsight": table[hindsight]["average"],
-            # The names stages/run.py prints (best_fixed* is the baseline above); to go once it reads the new ones.
-            "best_fixed_b": int(base[2:]), "best_fixed": h["baseline"], "hindsight_fixed_b": int(hindsight[2:]),
-            "hindsight_fixed": table[hindsight]["average"], "per_set": per_set}
+            "hindsight": table[hindsight]["average"], "per_set": per_set}
 
 
 def gain_with_interval(results: pa.Table, method: str, baseline: str, reps: int = 2000, seed: int = 0

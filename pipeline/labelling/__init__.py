@@ -1,2 +1,4 @@
-"""Measuring tau(b) for every candidate block size: the paper's per-b decode, and exact greedy replay of the draft
-(batch 1 and batched) along one target decode. Imports the layers below it: io, policy, runtime, data, decoding."""
+"""Measuring tau(b) for every candidate block size: the paper's per-b decodes (labels), and exact greedy replay of
+the draft along one target decode, batch 1 (replay) and batched across prompts (batched), both through one draft
+runner (runner, draft, walks); the target's batched greedy decode (greedy); what a label row and shard hold
+(shard, summary, settings). Imports the layers below it: io, policy, runtime, data, decoding."""

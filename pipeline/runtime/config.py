@@ -1,15 +1,10 @@
-"""The one config schema of the pipeline.
-
-Typed dataclasses are the schema (types, a comment per field, validation); values are merged as
+"""The one config schema of the pipeline: typed dataclasses (types, a comment per field, validation), merged as
 schema <- conf/default.yaml <- ``-c FILE.yaml`` <- ``key=value`` overrides (OmegaConf dotlist).
-``conf/default.yaml`` (the top-level ``conf/``) holds every key of the schema with its default value and is the one
-source of default values: the schema's defaults equal it, key for key (tests/unit/test_conf_defaults.py fails
-otherwise), and why a default is what it is, where it was measured, is in ``benchmarks/results/default-*.md``.
-The published configs (``conf/published/NAME.yaml``, named on the command line as ``-c published:NAME``) live
-beside it; a wheel ships that folder as the package ``blockpilot_conf``, so that a plain ``pip install .`` runs
-exactly as a checkout does.
-Unknown keys, wrong types, missing mandatory values and out-of-range values fail in
-:func:`load_config`, before any stage does work, with a :class:`ConfigError` naming the key.
+
+``conf/default.yaml`` holds every key with its default and is the one source of default values (the schema's
+defaults equal it: tests/unit/test_conf_defaults.py); why a default is what it is: ``benchmarks/results/default-*``.
+``conf/published/NAME.yaml`` is ``-c published:NAME``; a wheel ships ``conf/`` as the package ``blockpilot_conf``.
+Bad keys, types and values fail in :func:`load_config`, before any work, with a :class:`ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -144,9 +139,8 @@ class LabelConfig:
     num_workers: Optional[int] = 2
     # One of LABEL_MODES: auto (= replay at T = 0, else exhaustive) | exhaustive | replay.
     mode: str = "auto"
-    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py: one batched greedy decode of the
-    # target, then the draft's walks batched across prompts); 1 = batch-1 replay. Exhaustive mode is always batch-1
-    # (the reference). Batches are formed within a shard; a batch that fails is retried prompt by prompt.
+    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py), within a shard; 1 = batch-1 replay.
+    # Exhaustive mode is always batch-1. A batch that fails is retried prompt by prompt.
     batch_size: int = 64
 
 
@@ -231,10 +225,8 @@ class EvaluateConfig:
     limit: Optional[int] = 32
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
-    # Use the per-step rule `blockpilot tune` chose, when output_dir/tune is complete: adaptive decodes with it
-    # where the policy answers its fallback b (if tune measured it faster there), and evaluate also runs its two
-    # parts apart (`policy`: the policy alone; `per-step`: the rule alone at its b_max). false: adaptive is the
-    # policy alone, and run skips tune.
+    # Use tune's per-step rule: adaptive runs it where the policy answers its fallback b (if tune measured it
+    # faster), and evaluate also runs `policy` and `per-step` apart. false: adaptive is the policy alone; no tune.
     per_step: bool = True
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from conftest import FAST
+from pipeline.io import layout
 from pipeline.runtime.config import load_config
 from pipeline.data.schemas import PROMPTS_SCHEMA, labels_schema
 from pipeline.io.shards import decode_metadata
-from pipeline.executor.driver import mark_complete
+from pipeline.executor.folder import mark_complete
 from pipeline.io.shards import list_shards, write_json_atomic, write_parquet_atomic
 from pipeline.data.validate import validate_dataset
 
@@ -214,7 +215,7 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     s = summaries["train"]
     assert s["val_rows"] + s["train_rows"] + s["calibration_rows"] == 16 and s["val_majority_accuracy"] is not None
     assert policy.info["fallback_block_size"] == s["fallback_block_size"] == policy.info["best_fixed_block_size"]
-    assert (train / "policy" / "cost_profile.json").is_file() and "margin" in policy.info
+    assert (train / "policy" / layout.COST_PROFILE).is_file() and "margin" in policy.info
 
 
 @pytest.mark.parametrize("damage", ["truncated", "other_schema"])
@@ -252,8 +253,8 @@ def test_evaluate_results_and_summary(run_dir):
     assert adaptive["policy_block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
     # Adaptive decodes the policy's b, or the tuned rule's b_max where the policy answered its fallback b (the rule
     # replaces it only when tune measured it faster on held-out label prompts).
-    rule = json.loads((out / "tune" / "step_rule.json").read_text())
-    fallback = json.loads((out / "train" / "policy" / "policy.json").read_text())["fallback_block_size"]
+    rule = json.loads((out / "tune" / layout.STEP_RULE).read_text())
+    fallback = json.loads((out / "train" / "policy" / layout.POLICY_META).read_text())["fallback_block_size"]
     for r in adaptive.iter_rows(named=True):
         if rule["gain"] > 0 and r["policy_block_size"] == fallback:
             assert (r["step_rule"], r["block_size"]) == (rule["rule"], rule["max_block_size"]), r
@@ -312,7 +313,7 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     assert ids and ids <= label_ids and not ids & eval_ids and all(is_val(i, 0.25) for i in ids)
     assert sorted(tuned["method"].unique().to_list()) == sorted(["b=%d" % t["baseline_b"], "ema:0.5:2@12",
                                                                  "threshold:0.05@12"])
-    choice = json.loads((out / "tune" / "step_rule.json").read_text())
+    choice = json.loads((out / "tune" / layout.STEP_RULE).read_text())
     assert (choice["rule"], choice["max_block_size"]) == (t["step_rule"], t["max_block_size"]) and \
         choice["rule"] in ("threshold:0.05", "ema:0.5:2")
     best = min((r for r in choice["table"] if r["rule"]), key=lambda r: r["modelled_time_per_token"])
@@ -320,7 +321,7 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     # The recorded modelled seconds are the cost profile's, step by step.
     from pipeline.policy.cost import CostProfile
 
-    profile = CostProfile.load(out / "train" / "policy" / "cost_profile.json")
+    profile = CostProfile.load(out / "train" / "policy" / layout.COST_PROFILE)
     row = tuned.filter(pl.col("method") == "threshold:0.05@12").row(0, named=True)
     assert row["modelled_seconds"] == pytest.approx(sum(profile.step_seconds(12, v) for v in row["verified"]))
     assert all(v <= 11 for v in row["verified"]) and len(row["verified"]) == row["steps"]
@@ -359,6 +360,8 @@ def test_evaluate_prompts_come_from_prepare_and_their_settings_bind_the_results(
 def test_report_has_tables_and_valid_pngs(run_dir):
     import matplotlib.image as mpimg
 
+    from pipeline.policy.blocksize import BlockSizePolicy
+
     out, summaries = run_dir
     report = out / "report"
     text = (report / "report.md").read_text()
@@ -371,10 +374,15 @@ def test_report_has_tables_and_valid_pngs(run_dir):
         img = mpimg.imread(p)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
     h, ev = summaries["report"]["headline"], summaries["evaluate"]
-    assert h["adaptive_tau"] == ev["tables"]["tau"]["adaptive"]["average"]
+    rows = {r["method"]: r for r in h["rows"]}
+    assert rows["adaptive"]["wall"] == ev["tables"]["speedup"]["adaptive"]["average"]
+    assert rows["adaptive"]["modelled"] == ev["tables"]["modelled_speedup"]["adaptive"]["average"]
+    chosen = BlockSizePolicy.from_pretrained(out / "train" / "policy").train_chosen_block_size
+    assert h["train_chosen_b"] == chosen and f"train-chosen b={chosen}" in [r["row"] for r in h["rows"]]
     fixed = [m for m in ev["methods"] if m.startswith("b=")]
-    assert h["best_fixed"] == max(fixed, key=lambda m: ev["tables"]["speedup"][m]["average"])  # the fastest b
-    assert "| adaptive | " in text and h["best_fixed"] in text
+    fastest = max(fixed, key=lambda m: ev["tables"]["modelled_speedup"][m]["average"])
+    assert fastest in rows and rows[fastest]["gain"] >= 0  # the hindsight b, never slower than the baseline
+    assert "| adaptive | " in text
 
 
 def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
@@ -391,7 +399,7 @@ def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
         shutil.copytree(run_dir[0] / name, out / name)
     cfg = cfg_for(out, "train.objective=paper")
     assert train.run(cfg)["objective"] == "paper"
-    info = json.loads((out / "train" / "policy" / "policy.json").read_text())
+    info = json.loads((out / "train" / "policy" / layout.POLICY_META).read_text())
     assert info["objective"] == "paper" and info.get("score") != "log_speed_ratio"
     tune.run(cfg)
     s = evaluate.run(cfg)

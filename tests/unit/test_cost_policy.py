@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.io import layout
 from pipeline.runtime.config import ConfigError, ModelConfig, load_config
 from pipeline.policy.cost import FORMAT, CostProfile, fit_affine, measure_profile
 from pipeline.decoding.engine import Engine
@@ -41,12 +42,12 @@ def test_profile_times_draft_and_verify_apart_keeps_raw_points_and_round_trips(t
     for k in ("draft", "verify"):
         assert p.fit[k] == pytest.approx(fit_affine([2, 16], [p.measured[b][k] for b in (2, 16)]))
     assert p.cost(9) == pytest.approx(p.cost(2) + 7 / 14 * (p.cost(16) - p.cost(2)))  # b between: the fit
-    p.save(tmp_path / "cost_profile.json")
-    d = json.loads((tmp_path / "cost_profile.json").read_text())
+    p.save(tmp_path / layout.COST_PROFILE)
+    d = json.loads((tmp_path / layout.COST_PROFILE).read_text())
     assert d["format"] == FORMAT and set(d["seconds"]) == {"1", "2", "16"} and len(d["raw"]) == 18
     for key in ("hardware", "device", "dtype", "spread", "fit", "context_lengths", "settings", "stable"):
         assert key in d, key
-    again = CostProfile.load(tmp_path / "cost_profile.json")
+    again = CostProfile.load(tmp_path / layout.COST_PROFILE)
     assert again.costs([1, 2, 16]) == p.costs([1, 2, 16]) and again.raw == p.raw
     with pytest.raises(KeyError):
         CostProfile({1: 0.1}).cost(5)
@@ -114,7 +115,7 @@ def test_choose_falls_back_unless_the_predicted_gain_beats_the_margin(tiny, tmp_
     assert set(speed_policy(m.vocab_size, margin=None).choose_batch(x)) == {8}  # no margin: always the fallback
     # Exported in policy.json, reloaded, and the folded form makes the same choices from the hidden state.
     pol.save_pretrained(tmp_path / "p")
-    meta = json.loads((tmp_path / "p" / "policy.json").read_text())
+    meta = json.loads((tmp_path / "p" / layout.POLICY_META).read_text())
     assert meta["fallback_block_size"] == 8 and meta["margin"] == margin
     again = BlockSizePolicy.from_pretrained(tmp_path / "p")
     assert again.choose_batch(x) == chosen

@@ -123,7 +123,7 @@ def run_named_stage(name: str, cfg: PipelineConfig) -> int:
         # Expected failures (bad input, drift, unwritable folder): a clear message, no traceback.
         print(f"blockpilot {name}: error: {err}", file=sys.stderr)
         return 1
-    if summary is not None:
+    if summary is not None and STAGES[name].json_summary:
         print(json.dumps(summary, indent=2, default=str))
     return 0
 

@@ -53,11 +53,11 @@ def headline_rows(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
             add(label, method, part)
     chosen = "train-chosen" if main.get("baseline_is") == "train_chosen" else "baseline (hindsight)"
     add(f"{chosen} b={base_b}", f"b={base_b}")
-    if hindsight != f"b={base_b}":
-        add(f"hindsight b={hindsight[2:]}", hindsight)
+    same = " (= the baseline)" if hindsight == f"b={base_b}" else ""
+    add(f"hindsight b={hindsight[2:]}{same}", hindsight)
     add("oracle (per prompt)", "oracle")
     for r in rows:
-        r["gain_on"] = kind
+        r.update(gain_on=kind, baseline_b=base_b)
     return rows
 
 
@@ -72,13 +72,14 @@ def format_rows(rows: List[Dict[str, Any]]) -> str:
     def gain(r: Dict[str, Any]) -> str:
         if r["gain"] is None:
             return "-"
-        if r["method"].startswith("b=") and abs(r["gain"]) < 1e-12:
+        if r["method"] == f"b={rows[0]['baseline_b']}":
             return "(baseline)"
         text = f"{r['gain']:+.2%}"
         return text + (f" [{r['gain_ci95'][0]:+.2%}, {r['gain_ci95'][1]:+.2%}]" if r["gain_ci95"] else "")
 
     width = max(len(r["row"]) for r in rows)
-    head = f"gain vs {next(r['row'] for r in rows if r['method'].startswith('b='))} ({rows[0]['gain_on']}, 95 % CI)"
+    baseline = next(r["row"] for r in rows if r["method"] == f"b={rows[0]['baseline_b']}")
+    head = f"gain vs {baseline} ({rows[0]['gain_on']}, 95 % CI)"
     lines = [f"{'method':<{width}}  {'modelled':>9}  {'wall':>7}  {head}"]
     lines += [f"{r['row']:<{width}}  {x(r['modelled']):>9}  {x(r['wall']):>7}  {gain(r)}" for r in rows]
     return "\n".join(lines)

@@ -37,6 +37,14 @@ def test_rows_name_the_train_chosen_and_the_hindsight_b_apart_and_agree_with_the
     assert "(baseline)" in text and "+4.52% [+1.00%, +5.00%]" in text
 
 
+def test_a_hindsight_b_equal_to_the_baseline_still_has_its_row():
+    s = summary()
+    s["tables"]["modelled_speedup"]["b=9"] = {"a": 1.65, "average": 1.65}
+    rows = headline_rows(s)
+    assert "hindsight b=9 (= the baseline)" in [r["row"] for r in rows]
+    assert format_rows(rows).count("(baseline)") == 2
+
+
 def test_without_a_rule_adaptive_is_the_policy_and_a_hindsight_baseline_says_so():
     rows = headline_rows(summary(with_rule=False, baseline_is="hindsight"))
     assert [r["row"] for r in rows][:2] == ["adaptive (the policy alone)", "baseline (hindsight) b=9"]

@@ -1,4 +1,5 @@
-"""label: Ray actors measure tau at every candidate block size for every prompt and write label shards (schema v1).
+"""label: Ray actors measure tau at every candidate block size for every prompt and write label shards (schema v3,
+pipeline.data.schemas), each row with its per-step trace (pipeline.labelling.trace).
 
 Shards, not Ray Data: each prompt shard ``prompts/part-NNNNN.parquet`` becomes exactly one label shard
 ``labels/part-NNNNN.parquet`` written atomically by the actor that labelled it. A shard is the unit of work, of
@@ -26,7 +27,7 @@ from pipeline.executor.stage import Rejects, Worker
 from pipeline.io.layout import COST_PROFILE, RunLayout
 from pipeline.io.shards import MANIFEST, file_sha256
 from pipeline.io.storage import location, read_table
-from pipeline.labelling.settings import resolve_mode, trained_block_size
+from pipeline.labelling.settings import resolve_mode, trace_block_size, trained_block_size
 from pipeline.labelling.shard import label_row, label_table, parquet_options
 from pipeline.labelling.summary import chosen_cost_profile, label_summary
 
@@ -56,6 +57,10 @@ class LabelStage(DecodingStage):
         return trained_block_size(self.cfg)
 
     @cached_property
+    def trace_block_size(self) -> int:
+        return trace_block_size(self.cfg)
+
+    @cached_property
     def candidates(self) -> List[int]:
         from pipeline.labelling.labels import candidate_block_sizes
 
@@ -77,7 +82,7 @@ class LabelStage(DecodingStage):
             "dtype": m.dtype, "candidates": self.candidates, "temperature": d.temperature, "top_p": d.top_p,
             "top_k": d.top_k, "max_new_tokens": d.max_new_tokens, "seed": d.seed, "stop_on_eos": d.stop_on_eos,
             "enable_thinking": m.enable_thinking, "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST),
-            "schema_version": LABELS_SCHEMA_VERSION,
+            "schema_version": LABELS_SCHEMA_VERSION, "trace_block_size": self.trace_block_size,
         }
 
     @property
@@ -113,14 +118,14 @@ class LabelStage(DecodingStage):
                 "max_new_tokens": d.max_new_tokens, "seed": d.seed, "step_cost_seconds": self.step_cost,
                 "cost_profile": self.cost_profile.to_dict(),
                 "label_mode": self.mode, "label_batch_size": self.label_batch_size, "device": self.device,
-                "vocab_size": self.models.vocab_size,
+                "vocab_size": self.models.vocab_size, "trace_block_size": self.trace_block_size,
                 "worker": self.worker.identity}
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labelling import labels as labeling
 
         label_fn = labeling.replay_label_prompt if self.mode == "replay" else labeling.label_prompt
-        kw = self.decode_kwargs()
+        kw = {**self.decode_kwargs(), "trace_block_size": self.trace_block_size}
 
         batches = None  # replay mode at label.batch_size > 1: the shard's prompts labelled in batches (below)
 

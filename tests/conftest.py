@@ -34,6 +34,17 @@ FAST = [
 ]
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (tiny models gain nothing from more; on a busy 2-core box more spin)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole session, advertising 2 GPUs that do not exist: label and evaluate then place

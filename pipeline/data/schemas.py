@@ -1,4 +1,4 @@
-"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v2).
+"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v3).
 
 This module is the contract with other teams: every column is documented here and rendered into the dataset card
 (``README.md``) written beside the shards. Never change a column's meaning without bumping the version.
@@ -15,11 +15,12 @@ import pyarrow as pa
 from pipeline.io.shards import META_PREFIX
 
 PROMPTS_SCHEMA_VERSION = "1"
-LABELS_SCHEMA_VERSION = "2"
+LABELS_SCHEMA_VERSION = "3"
 # Versions validate and train still read. v1 stored `logits` as float16, which DuckDB cannot read with
-# byte-stream-split; v2 stores the same float16-rounded values as float32 (benchmarks/logits_storage.py).
-READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2")
-LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32()}
+# byte-stream-split; v2 stores the same float16-rounded values as float32 (benchmarks/logits_storage.py); v3 adds
+# the per-step trace columns (TRACE_COLUMNS) after v2's.
+READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2", "3")
+LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32(), "3": pa.float32()}
 
 
 def prompt_id(source: str, text: str) -> str:
@@ -72,6 +73,28 @@ LABEL_COLUMNS: List[tuple] = [
     ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill (batched replay: an equal share of the "
      "batch's prefill)."),
     ("worker", pa.string(), "Which worker labelled the row: node id and GPU id (or cpu-N)."),
+]
+
+# v3: the per-step trace along the greedy continuation g at one drafted block size b_max (pipeline.labelling.trace),
+# from which pipeline.policy.simulate replays any per-step verify rule exactly as the engine decodes it at T = 0.
+# Offsets i index the new tokens: the step that would start at offset i (after the prompt's n tokens), for
+# i = 0 .. new_tokens - 2 (the last new token never starts a step). Null together where there is no trace.
+TRACE_COLUMNS: List[tuple] = [
+    ("trace_block_size", pa.int16(), "b_max, the block size the draft drafted at every start of g (metadata "
+     "`blockpilot.trace_block_size`; label.trace_block_size, default 2B). Null, with every `trace_*` column, where "
+     "the row has no trace: exhaustive mode at T > 0 (no single continuation) or with a draft replay does not "
+     "model."),
+    ("trace_stopped", pa.bool_(), "g ended on a stop token (else on the max_new_tokens cut)."),
+    ("trace_match", pa.list_(pa.int16()), "Per offset i (new_tokens - 1 values): how many leading drafted tokens of "
+     "the block at that start equal g, i.e. the tokens accepted if all vs - 1 were verified, vs = min(b_max, "
+     "max_new_tokens - i). A step verifying k of them accepts min(match, k) and commits one more, cut at the end of "
+     "g."),
+    ("trace_confidence", pa.list_(pa.list_(pa.float32())), "Per offset i: the draft's top-1 probability at each of "
+     "the vs - 1 drafted slots (the softmax of its logits: what the engine's step rules read at T = 0, "
+     "pipeline.policy.step_rules.draft_confidence). Empty where the engine cannot draft the block (a DFlash2 "
+     "convolution longer than vs) and fails there."),
+    ("trace_seconds", pa.float32(), "Wall seconds of the trace's draft pass (batched replay: an equal share of the "
+     "batch's); not in `decode_seconds`."),
 ]
 
 
@@ -127,10 +150,15 @@ TUNE_COLUMNS = [
 TUNE_SCHEMA = pa.schema([(n, t) for n, t, _ in TUNE_COLUMNS])
 
 
+def label_columns(version: str = LABELS_SCHEMA_VERSION) -> List[tuple]:
+    """The documented columns of label schema ``version``: v3 = v2 + TRACE_COLUMNS."""
+    return LABEL_COLUMNS + (TRACE_COLUMNS if int(version) >= 3 else [])
+
+
 def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
-    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type)."""
+    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type; v3 adds the trace)."""
     fields = []
-    for name, typ, _ in LABEL_COLUMNS:
+    for name, typ, _ in label_columns(version):
         if name == "logits":
             typ = pa.list_(LOGITS_TYPES[version], vocab_size)
         fields.append(pa.field(name, typ))
@@ -144,7 +172,9 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "draft": "DFlash draft id or path.", "draft_revision": "Hub revision, or sha256 of the local config.json.",
     "trained_block_size": "B, the block size the draft was trained with.",
     "candidates": "The candidate block sizes.", "temperature": "Decoding temperature (0 = greedy).",
-    "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.", "max_new_tokens": "Generation cap per decode.",
+    "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.",
+    "max_new_tokens": "Generation cap per decode (the trace's too).",
+    "trace_block_size": "b_max the per-step traces are drafted at (label.trace_block_size; null there = 2B).",
     "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
     "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
     "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
@@ -196,12 +226,26 @@ column), `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, pandas, or Duck
 `manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every file in it would try to parse.
 
 Schema v2 stores `logits` as float32 holding float16-rounded values (v1 stored float16, which DuckDB cannot read
-with byte-stream-split encoding). The values are the same; `blockpilot validate` and `blockpilot train` read both
-versions.
+with byte-stream-split encoding). The values are the same. Schema v3 adds the `trace_*` columns at the end;
+`blockpilot validate` and `blockpilot train` read all three versions.
 
 ## Columns
 
-{_column_table(LABEL_COLUMNS)}
+{_column_table(label_columns())}
+
+## The per-step trace (v3)
+
+At T = 0 every per-step verify rule decodes the same greedy continuation g, and the draft's block at a start
+depends on that start alone, so the `trace_*` columns replay any rule offline, step by step as the engine decodes
+it (`pipeline.policy.simulate`): from offset i = 0, the rule picks k of the `len(trace_confidence[i])` drafted
+tokens from their confidences (and the steps so far); the step accepts `min(trace_match[i], k)`, commits one more
+(the bonus), cut at the end of g (at most `new_tokens - 1 - i`), and the next step starts that many offsets later.
+The trace is drafted at b_max = `trace_block_size` only (a block's proposals depend on its size); its size does not
+depend on the vocabulary. Replay records it with one more draft pass over every start. Exhaustive mode records it
+at T = 0 when the draft is one replay models (along its largest candidate's decode); otherwise the columns are
+null: at T > 0 each candidate samples its own continuation, so there is no single g to replay, and for a draft
+replay does not model there is no exact draft pass to take it from. The entropy of each slot is not stored: no
+rule reads it, and it would double the trace's bytes.
 
 ## Labels
 

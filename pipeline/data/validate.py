@@ -1,4 +1,4 @@
-"""``blockpilot validate DIR``: check a label dataset against its manifest and its label schema (v2, or v1).
+"""``blockpilot validate DIR``: check a label dataset against its manifest and its label schema (v3, v2 or v1).
 
 Every violation is one problem line that starts with the file it concerns; any problem means exit status 1.
 
@@ -12,11 +12,13 @@ Every violation is one problem line that starts with the file it concerns; any p
   summary's ``input_rows_check`` says so) and that is not a problem. An entry without ``input_rows`` IS a problem
   when other entries of the same manifest have it: the driver writes it for every file or for none, so such a
   manifest was edited or assembled from two runs.
-* **The schema.** ``blockpilot.schema_version`` (2, or 1: v1 sets stay readable) and the exact label schema of
-  that version (column names and types).
-* **The rows.** No nulls; candidates as in the shard's metadata; tau one value per candidate, finite and >= 1;
-  ``label_block_size`` (with ``label_index``) and ``label_speedup_block_size`` within the candidates; logits
-  finite; prompt ids unique across the whole folder (a duplicate names every file it is in).
+* **The schema.** ``blockpilot.schema_version`` (3, or 2 or 1: older sets stay readable) and the exact label
+  schema of that version (column names and types).
+* **The rows.** No nulls (but the ``trace_*`` columns of v3, null together where a row has no trace); candidates
+  as in the shard's metadata; tau one value per candidate, finite and >= 1; ``label_block_size`` (with
+  ``label_index``) and ``label_speedup_block_size`` within the candidates; logits finite; prompt ids unique across
+  the whole folder (a duplicate names every file it is in). v3's trace: consistent with itself, with the row's
+  new tokens and with ``max_new_tokens`` (pipeline.policy.trace.Trace.check).
 
 The logits column is checked with numpy and never converted to Python objects, so a full-vocabulary set streams.
 """
@@ -32,15 +34,32 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from pipeline.data.schemas import LABELS_SCHEMA_VERSION, READABLE_LABELS_SCHEMA_VERSIONS, labels_schema
+from pipeline.data.schemas import LABELS_SCHEMA_VERSION, READABLE_LABELS_SCHEMA_VERSIONS, TRACE_COLUMNS, labels_schema
 
 from pipeline.io.shards import decode_metadata
 from pipeline.io.layout import REJECTS, REJECTS_DIR
 from pipeline.io.shards import MANIFEST, file_sha256, is_complete, list_shards, read_jsonl
 from pipeline.io.storage import location, parquet_file
+from pipeline.policy.trace import Trace
 
 # Every column but logits, read as Python values row by row.
 ROW_COLUMNS = ["prompt_id", "candidates", "tau", "label_block_size", "label_index", "label_speedup_block_size"]
+TRACE_NAMES = [name for name, _, _ in TRACE_COLUMNS]  # v3: nullable, all together
+
+
+def _trace_problem(row: Dict[str, Any], max_new_tokens) -> str:
+    """What is wrong with one v3 row's trace columns ('' if nothing)."""
+    nulls = [c for c in TRACE_NAMES if row[c] is None]
+    if nulls:
+        return "" if len(nulls) == len(TRACE_NAMES) else f"trace columns null only in part: {nulls}"
+    trace = Trace.from_row(row)
+    try:
+        trace.check(max_new_tokens)
+    except ValueError as err:
+        return str(err)
+    if len(set(row["new_tokens"])) != 1 or trace.new_tokens != row["new_tokens"][0]:
+        return f"a trace of {trace.new_tokens} new tokens, new_tokens {row['new_tokens']}"
+    return ""
 
 
 @dataclass
@@ -156,13 +175,15 @@ def validate_dataset(folder: str) -> ValidationReport:
             continue
         try:
             for batch in pf.iter_batches(batch_size=256):
-                nulls = {c: batch.column(c).null_count for c in batch.schema.names if batch.column(c).null_count}
+                nulls = {c: batch.column(c).null_count for c in batch.schema.names
+                         if batch.column(c).null_count and c not in TRACE_NAMES}
                 if nulls:
                     bad(f"{p.name}: null values in {nulls}")
                     break
                 logits = batch.column("logits").flatten().to_numpy(zero_copy_only=False)
                 finite = np.isfinite(logits.reshape(batch.num_rows, int(vocab))).all(axis=1)
-                d = batch.select(ROW_COLUMNS).to_pydict()
+                traced = TRACE_NAMES[0] in batch.schema.names
+                d = batch.select(ROW_COLUMNS + (["new_tokens"] + TRACE_NAMES if traced else [])).to_pydict()
                 if not finite.all():
                     ids = [d["prompt_id"][i] for i in np.flatnonzero(~finite)]
                     bad(f"{p.name}: {len(ids)} row(s) with non-finite logits (NaN or inf), e.g. row {ids[0]}")
@@ -192,6 +213,9 @@ def validate_dataset(folder: str) -> ValidationReport:
                     if d["label_speedup_block_size"][i] not in cands:
                         bad(f"{p.name}: row {pid} speedup label {d['label_speedup_block_size'][i]} not within "
                             f"candidates {cands}")
+                    why = _trace_problem({c: d[c][i] for c in d}, meta.get("max_new_tokens")) if traced else ""
+                    if why:
+                        bad(f"{p.name}: row {pid} trace: {why}")
                     if nonfinite or low:
                         continue
                     hist[lb] += 1

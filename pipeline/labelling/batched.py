@@ -1,4 +1,4 @@
-"""Batched replay labelling (T = 0): the labels of a whole batch of prompts from two batched passes.
+"""Batched replay labelling (T = 0): the labels of a whole batch of prompts from three batched passes.
 
 Batch-1 replay (pipeline.labelling.replay) needs per prompt only the target's greedy continuation g and the
 target's context features along prompt + g; the rest is draft work. So a label actor does both for a batch at once:
@@ -7,7 +7,9 @@ target's context features along prompt + g; the rest is draft work. So a label a
    own forwards (pipeline.labelling.greedy);
 2. **the draft's walks**, lockstep AND batched across prompts (pipeline.labelling.walks): each round ONE draft
    forward proposes for the current start of every candidate of every prompt still running, a row of blocks per
-   prompt (pipeline.labelling.runner, reading only the proposal rows a walk reads).
+   prompt (pipeline.labelling.runner, reading only the proposal rows a walk reads);
+3. **the per-step trace** at b_max, by the same runner at every start of every g (pipeline.labelling.trace), reading
+   every proposal row: what pipeline.policy.simulate needs to replay any verify rule offline.
 
 Every candidate, b = B included, is replayed by the draft: there is no reference speculative decode.
 
@@ -19,6 +21,7 @@ near-tie can change one proposal. ``benchmarks/label_agreement.py`` measures how
 Seconds (the ``decode_seconds`` / ``prefill_seconds`` columns): the batch's prefill, generation and draft replay
 are shared equally by its prompts; a prompt's share of the batched prefill is its ``prefill_seconds``, its share of
 the rest is split equally over its candidates (so a row's prefill + decode seconds sum to its share of the batch).
+The trace's pass is not in them: its equal share per prompt is ``trace_seconds``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pipeline.labelling.greedy import greedy_continuations
 from pipeline.labelling.labels import PromptLabels, _labels
 from pipeline.labelling.runner import DraftRunner
 from pipeline.labelling.support import require_replayable
+from pipeline.labelling.trace import record_traces
 from pipeline.labelling.walks import lockstep_walks
 
 
@@ -50,11 +54,13 @@ def length_sorted_chunks(lengths: Sequence[int], batch_size: int) -> List[List[i
 
 def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence[int], max_new_tokens: int,
                                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                                 step_cost: Optional[Dict[int, float]] = None,
-                                 pad_token_id: int = 0) -> List[PromptLabels]:
+                                 step_cost: Optional[Dict[int, float]] = None, pad_token_id: int = 0,
+                                 trace_block_size: Optional[int] = None) -> List[PromptLabels]:
     """replay_label_prompt for a batch of prompts (token id lists or [1, n] tensors): one PromptLabels per prompt,
-    in order, with the same fields. Raises ValueError before any work at T > 0 or for a draft replay does not
-    model; any error inside the batch fails the whole batch (the caller retries its prompts alone)."""
+    in order, with the same fields, the trace at ``trace_block_size`` included (pipeline.labelling.trace: one more
+    draft pass, every start of every prompt, batched like the walks). Raises ValueError before any work at T > 0
+    or for a draft replay does not model; any error inside the batch fails the whole batch (the caller retries its
+    prompts alone)."""
     if temperature > 0:
         raise ValueError("replay labelling is exact only at temperature 0; use exhaustive mode")
     require_replayable(engine.draft)
@@ -74,6 +80,10 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
     walks = lockstep_walks(gs, [len(p) for p in prompts], max_new_tokens, list(candidates), runner.propose,
                            engine.stop_token_ids)
     t3 = engine.now()
+    ns = [len(p) for p in prompts]
+    traces = record_traces(runner, ns, max_new_tokens, trace_block_size, engine.stop_token_ids) \
+        if trace_block_size else [None] * P
+    trace_share = (engine.now() - t3) / P  # kept out of decode_seconds: no candidate's decode pays for it
     prefill_share = prefill_seconds / P
     decode_share = (t3 - t0 - prefill_seconds) / P / max(1, len(candidates))
     out = []
@@ -81,7 +91,7 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         per_b = {b: {"committed": walks[p][b], "new_tokens": len(news[p]), "seconds": decode_share}
                  for b in candidates}
         state = SimpleNamespace(logits=logits[p], prefill_seconds=prefill_share)
-        out.append(_labels(state, candidates, per_b, step_cost))
+        out.append(_labels(state, candidates, per_b, step_cost, traces[p], trace_share))
     return out
 
 

@@ -5,6 +5,7 @@ Ray-free (the label stage's actors call it; so can a notebook).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -12,7 +13,10 @@ import numpy as np
 import torch
 
 from pipeline.decoding.engine import Engine
+from pipeline.labelling.replay import DraftReplay, replay_unsupported, replay_with_trace
+from pipeline.labelling.trace import record_traces
 from pipeline.policy.labels import speed_label, tau_label
+from pipeline.policy.trace import Trace
 
 
 def candidate_block_sizes(trained_block_size: int, k: int) -> List[int]:
@@ -32,14 +36,17 @@ class PromptLabels:
     prefill_seconds: float
     label_index: int
     label_speedup_index: Optional[int]
+    # The per-step trace along g at a drafted b_max (pipeline.labelling.trace) and its seconds; None without one.
+    trace: Optional[Trace] = None
+    trace_seconds: Optional[float] = None
 
     @property
     def label_block_size(self) -> int:
         return self.candidates[self.label_index]
 
 
-def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict],
-            step_cost: Optional[Dict[int, float]]) -> PromptLabels:
+def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict], step_cost: Optional[Dict[int, float]],
+            trace: Optional[Trace] = None, trace_seconds: Optional[float] = None) -> PromptLabels:
     """Assemble one prompt's labels from {b: {"committed", "new_tokens", "seconds"}}."""
     committed = [per_b[b]["committed"] for b in candidates]
     tau = [sum(c) / len(c) if c else 1.0 for c in committed]  # as DecodeResult.tau
@@ -50,29 +57,45 @@ def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict],
         logits=state.logits, candidates=list(candidates), tau=tau, steps=[len(c) for c in committed],
         new_tokens=[per_b[b]["new_tokens"] for b in candidates],
         decode_seconds=[per_b[b]["seconds"] for b in candidates], prefill_seconds=state.prefill_seconds,
-        label_index=tau_label(tau), label_speedup_index=speedup_index,
+        label_index=tau_label(tau), label_speedup_index=speedup_index, trace=trace,
+        trace_seconds=trace_seconds if trace is not None else None,
     )
 
 
 def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 step_cost: Optional[Dict[int, float]] = None) -> PromptLabels:
-    """Exhaustive labelling (any temperature): one prefill, then a full speculative decode at every candidate."""
+                 step_cost: Optional[Dict[int, float]] = None,
+                 trace_block_size: Optional[int] = None) -> PromptLabels:
+    """Exhaustive labelling (any temperature): one prefill, then a full speculative decode at every candidate.
+
+    The trace (``trace_block_size``) needs one continuation g and a draft the runner models: at T = 0 with a
+    replayable draft it is drafted along the largest candidate's decode (kept context, no extra target work), at
+    the engine's arithmetic; otherwise (sampling: no single g; a draft replay does not model) there is none."""
     state = engine.prefill(input_ids)
-    per_b = {}
+    traced = trace_block_size is not None and temperature == 0 and max(candidates) >= 2 \
+        and replay_unsupported(engine.draft) is None
+    per_b, trace, trace_seconds = {}, None, None
     for b in candidates:
+        keep = traced and b == max(candidates)
         r = engine.decode(state, block_size=b, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed)
+                          top_p=top_p, top_k=top_k, seed=seed, keep_context=keep)
         per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds}
-    return _labels(state, candidates, per_b, step_cost)
+        if keep:
+            t0 = time.perf_counter()
+            runner = DraftReplay(engine.draft, engine.target, r.output_ids[0], r.context)
+            trace = record_traces(runner, [state.num_input_tokens], max_new_tokens, trace_block_size,
+                                  engine.stop_token_ids)[0]
+            trace_seconds = time.perf_counter() - t0
+    return _labels(state, candidates, per_b, step_cost, trace, trace_seconds)
 
 
 def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                        step_cost: Optional[Dict[int, float]] = None, proposer: str = "lockstep") -> PromptLabels:
+                        step_cost: Optional[Dict[int, float]] = None, proposer: str = "lockstep",
+                        trace_block_size: Optional[int] = None) -> PromptLabels:
     """Exact greedy replay (T = 0 only): one target decode at B, draft-only work for the other candidates
-    (pipeline.labelling.replay). Same tau, steps and labels as :func:`label_prompt`."""
-    from pipeline.labelling.replay import replay_candidates
+    (pipeline.labelling.replay), and the trace at ``trace_block_size`` if given. Same tau, steps and labels as
+    :func:`label_prompt`."""
 
     if temperature > 0:
         raise ValueError("replay labelling is exact only at temperature 0; use exhaustive mode")
@@ -80,9 +103,9 @@ def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Seq
     b_ref = engine.trained_block_size if engine.trained_block_size in candidates else max(candidates)
     if b_ref < 2:
         b_ref = engine.trained_block_size
-    per_b = replay_candidates(engine, state, candidates, max_new_tokens, proposer=proposer,
-                              reference_block_size=b_ref)
-    return _labels(state, candidates, per_b, step_cost)
+    per_b, trace, trace_seconds = replay_with_trace(engine, state, candidates, max_new_tokens, proposer=proposer,
+                                                    reference_block_size=b_ref, trace_block_size=trace_block_size)
+    return _labels(state, candidates, per_b, step_cost, trace, trace_seconds)
 
 
 def logits_to_numpy(logits: torch.Tensor) -> np.ndarray:

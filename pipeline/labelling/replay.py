@@ -23,14 +23,16 @@ matrix products differ, so a draft argmax that is a float near-tie could in prin
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from pipeline.labelling.runner import DraftRunner
 from pipeline.labelling.support import replay_unsupported, replay_unsupported_config, require_replayable
+from pipeline.labelling.trace import record_traces
 from pipeline.labelling.walks import lockstep_walks, walk
+from pipeline.policy.trace import Trace
 
 __all__ = ["ALL_STARTS_MAX_QUERIES", "AllStartsTable", "DraftReplay", "PROPOSERS", "replay_candidates",
-           "replay_unsupported", "replay_unsupported_config"]
+           "replay_unsupported", "replay_unsupported_config", "replay_with_trace"]
 
 PROPOSERS = ("lockstep", "sequential", "all_starts")
 ALL_STARTS_MAX_QUERIES = 4096  # query rows per all_starts forward
@@ -89,6 +91,14 @@ def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: 
     proposer: one of PROPOSERS (module docstring). Raises ValueError, before any work, for a draft replay does not
     model (pipeline.labelling.support.replay_unsupported).
     """
+    return replay_with_trace(engine, state, candidates, max_new_tokens, proposer, reference_block_size)[0]
+
+
+def replay_with_trace(engine, state, candidates: Sequence[int], max_new_tokens: int, proposer: str = "lockstep",
+                      reference_block_size: Optional[int] = None,
+                      trace_block_size: Optional[int] = None) -> Tuple[Dict[int, dict], Optional[Trace], float]:
+    """(:func:`replay_candidates`' answer, the per-step trace at ``trace_block_size`` (pipeline.labelling.trace;
+    None without one), the trace's seconds), the trace drafted at the engine's arithmetic like the walks."""
     if proposer not in PROPOSERS:
         raise ValueError(f"proposer must be one of {PROPOSERS}, got {proposer!r}")
     require_replayable(engine.draft)
@@ -104,8 +114,8 @@ def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: 
     others = [b for b in candidates if b != b_ref]
     t0 = time.perf_counter()
     walks: Dict[int, List[int]] = {}
+    runner = DraftReplay(engine.draft, engine.target, g, ref.context) if others or trace_block_size else None
     if others:
-        runner = DraftReplay(engine.draft, engine.target, g, ref.context)
         if proposer == "lockstep":
             walks = lockstep_walks([g], [n], max_new_tokens, others, runner.propose, stops)[0]
         elif proposer == "sequential":
@@ -117,4 +127,6 @@ def replay_candidates(engine, state, candidates: Sequence[int], max_new_tokens: 
     share = (time.perf_counter() - t0) / max(1, len(others))
     for b in others:
         out[b] = {"committed": walks[b], "new_tokens": ref.new_tokens, "seconds": share}
-    return out
+    t1 = time.perf_counter()
+    trace = record_traces(runner, [n], max_new_tokens, trace_block_size, stops)[0] if trace_block_size else None
+    return out, trace, time.perf_counter() - t1

@@ -113,10 +113,8 @@ class DraftRunner:
         blocks = [(p, s, vs) for p in idx for _, s, vs in work[p]]
         if self.dflash2 or not self.fast:
             rows = read(torch.nonzero(lay.local.view(-1) > 0).flatten())
-            if self.dflash2:  # the candidate selector (T = 0: its argmax path), one block at a time, as the engine
-                flat = [self.draft.propose(h[None], torch.tensor([self.gs[p][s]], device=self.device), self.head,
-                                           0.0)[0][0].tolist()
-                        for h, (p, s, _) in zip(rows.split([vs - 1 for _, _, vs in blocks]), blocks)]
+            if self.dflash2:
+                flat = self._selected(rows, blocks)
             else:
                 tokens = torch.argmax(self.logits(rows[None], self.head), dim=-1)[0].tolist()
                 ends = torch.tensor([vs - 1 for _, _, vs in blocks]).cumsum(0).tolist()
@@ -127,6 +125,36 @@ class DraftRunner:
         for p in idx:
             out[p] = flat[k:k + len(work[p])]
             k += len(work[p])
+        return out
+
+    def _selected(self, rows: torch.Tensor, blocks) -> List[List[int]]:
+        """DFlash2's proposals: its candidate selector (T = 0: the argmax path), one block at a time as the engine
+        runs it, on each block's proposal rows (``rows``, block after block)."""
+        return [self.draft.propose(h[None], torch.tensor([self.gs[p][s]], device=self.device), self.head,
+                                   0.0)[0][0].tolist()
+                for h, (p, s, _) in zip(rows.split([vs - 1 for _, _, vs in blocks]), blocks)]
+
+    @torch.inference_mode()
+    def propose_with_confidence(self, work: Work) -> Dict[int, List[tuple]]:
+        """{prompt: [(b, s, vs), ...]} (vs >= 2) -> {prompt: [(proposal tokens, top-1 probabilities) per block]},
+        from ONE draft forward. Every proposal row reaches the lm_head (no first-miss shortcut): the probabilities
+        are what the engine's step rules read at T = 0 (pipeline.policy.step_rules.draft_confidence: the softmax of
+        the draft's logits, DFlash2's too, whose selector proposes no probabilities at T = 0)."""
+        read, lay, idx = self._forward(work)
+        blocks = [(p, s, vs) for p in idx for _, s, vs in work[p]]
+        rows = read(torch.nonzero(lay.local.view(-1) > 0).flatten())
+        tokens, conf = [], []
+        for chunk in rows.split(HEAD_ROWS):  # a [HEAD_ROWS, V] logits block at a time
+            logits = self.logits(chunk[None], self.head)[0]
+            tokens += torch.argmax(logits, dim=-1).tolist()
+            conf += torch.softmax(logits.float(), dim=-1).max(dim=-1).values.tolist()
+        if self.dflash2:
+            tokens = [t for block in self._selected(rows, blocks) for t in block]
+        out: Dict[int, List[tuple]] = {p: [] for p in idx}
+        at = 0
+        for p, _, vs in blocks:
+            out[p].append((tokens[at:at + vs - 1], conf[at:at + vs - 1]))
+            at += vs - 1
         return out
 
     def _up_to_first_miss(self, read, first_rows: List[int], blocks) -> List[List[int]]:

@@ -1,5 +1,5 @@
 """Label settings every worker and the driver agree on, decided from the config and the draft's config before any
-model is loaded: the trained block size B and the labelling mode."""
+model is loaded: the trained block size B, the trace's b_max and the labelling mode."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def trained_block_size(cfg: PipelineConfig) -> int:
     from pipeline.decoding.models import draft_config
 
     return int(_draft_value(draft_config(cfg.model), "block_size", 16))
+
+
+def trace_block_size(cfg: PipelineConfig) -> int:
+    """b_max of the per-step trace: label.trace_block_size, else 2B, the largest b_max tune drafts by default."""
+    return int(cfg.label.trace_block_size or 2 * trained_block_size(cfg))
 
 
 def resolve_mode(cfg: PipelineConfig) -> str:

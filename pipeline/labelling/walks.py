@@ -20,19 +20,22 @@ def step(g: Sequence[int], s: int, max_length: int, b: int, proposal: Optional[S
     verify_size = min(b, max_length - s); produced = min(accepted + 1, max_length - s - 1), cut at the first stop
     token among the committed tokens."""
     vs = min(b, max_length - s)
-    accepted = 0
-    if vs > 1:
-        for j in range(vs - 1):
-            pos = s + 1 + j
-            # Past the end of g only after a stop token, where the step is cut at the stop anyway.
-            if pos >= len(g) or int(proposal[j]) != g[pos]:
-                break
-            accepted += 1
+    accepted = matched(g, s, proposal, vs - 1) if vs > 1 else 0
     produced = min(accepted + 1, max_length - s - 1)
     for j in range(1, produced + 1):
         if s + j < len(g) and g[s + j] in stops:
             return j, True
     return produced, False
+
+
+def matched(g: Sequence[int], s: int, proposal: Sequence[int], drafted: int) -> int:
+    """How many of the first ``drafted`` proposals of the block at start s equal g: the tokens a step accepts."""
+    for j in range(drafted):
+        pos = s + 1 + j
+        # Past the end of g only after a stop token, where the step is cut at the stop anyway.
+        if pos >= len(g) or int(proposal[j]) != g[pos]:
+            return j
+    return drafted
 
 
 def lockstep_walks(gs: Sequence[Sequence[int]], ns: Sequence[int], max_new_tokens: int, block_sizes: Sequence[int],

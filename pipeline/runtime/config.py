@@ -142,6 +142,8 @@ class LabelConfig:
     # Prompts per actor forward in replay mode (pipeline/labelling/batched.py), within a shard; 1 = batch-1 replay.
     # Exhaustive mode is always batch-1. A batch that fails is retried prompt by prompt.
     batch_size: int = 64
+    # Drafted b_max of the per-step trace in every row (pipeline/labelling/trace.py); None = 2B (tune's largest).
+    trace_block_size: Optional[int] = None
 
 
 @dataclass
@@ -318,21 +320,18 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.label.k >= 0, "label.k", "must be >= 0")
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
-    _check(cfg.label.num_workers is None or cfg.label.num_workers >= 1, "label.num_workers", "must be >= 1")
-    _check(cfg.label.batch_size >= 1, "label.batch_size", "must be >= 1")
+    for key, low in (("label.num_workers", 1), ("label.batch_size", 1), ("label.trace_block_size", 2),
+                     ("prepare.shard_size", 1), ("prepare.max_prompt_tokens", 1), ("prepare.limit", 1),
+                     ("train.checkpoint_every", 1), ("profile.max_block_size", 1)):  # None: unset, or no bound
+        _check(_get(cfg, key) is None or _get(cfg, key) >= low, key, f"must be >= {low}")
     _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
     _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
-    _check(cfg.prepare.shard_size >= 1, "prepare.shard_size", "must be >= 1")
-    _check(cfg.prepare.max_prompt_tokens >= 1, "prepare.max_prompt_tokens", "must be >= 1")
-    _check(cfg.prepare.limit is None or cfg.prepare.limit >= 1, "prepare.limit", "must be >= 1")
     _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
     _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
            "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")
-    _check(cfg.train.checkpoint_every >= 1, "train.checkpoint_every", "must be >= 1")
     pr = cfg.profile
-    _check(pr.max_block_size is None or pr.max_block_size >= 1, "profile.max_block_size", "must be >= 1")
     _check(len(pr.context_lengths) >= 1 and all(c >= 1 for c in pr.context_lengths), "profile.context_lengths",
            "needs at least one length >= 1")
     _check(pr.steps >= 1, "profile.steps", "must be >= 1")

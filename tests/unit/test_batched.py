@@ -19,14 +19,7 @@ from pipeline.labelling.labels import candidate_block_sizes, replay_label_prompt
 from random_pair import EOS_ID, QWEN3_VOCAB, make_pair, prompt, save_wide_pair
 
 MAX_NEW = 20
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _key(labels):

@@ -1,4 +1,5 @@
-"""Every common reader reads a real label set (schema v2), and they all see the same values.
+"""Every common reader reads a real label set (schema v3), and they all see the same values, the per-step trace's
+nested lists (list<list<float32>>) included.
 
 pyarrow, polars (lazy scan), pandas, Hugging Face `datasets` (`load_dataset(DIR)` through the card's front matter,
 nothing else from the folder) and DuckDB. Spark is not in the matrix: no local Spark runs on these machines' 2
@@ -25,20 +26,28 @@ def reference(real_labels):
     t = t.sort_by("prompt_id")
     logits = np.stack(t.column("logits").to_numpy(zero_copy_only=False)).astype(np.float32)
     return {"ids": t.column("prompt_id").to_pylist(), "logits": logits, "tau": t.column("tau").to_pylist(),
-            "labels": t.column("label_block_size").to_pylist()}
+            "labels": t.column("label_block_size").to_pylist(), "match": t.column("trace_match").to_pylist(),
+            "confidence": t.column("trace_confidence").to_pylist()}
 
 
-def check(ref, ids, logits, tau, labels):
+def check(ref, ids, logits, tau, labels, match, confidence):
     order = np.argsort(ids)
     assert [ids[i] for i in order] == ref["ids"]
     assert np.array_equal(np.stack([np.asarray(logits[i], dtype=np.float32) for i in order]), ref["logits"])
     assert np.allclose(np.array([list(map(float, tau[i])) for i in order]), np.array(ref["tau"]), rtol=1e-6)
     assert [int(labels[i]) for i in order] == ref["labels"]
+    assert [[int(m) for m in match[i]] for i in order] == ref["match"]
+    # float32 values: every reader returns the stored ones exactly (as Python floats or float32 arrays)
+    assert [[[float(x) for x in c] for c in confidence[i]] for i in order] == ref["confidence"]
 
 
-def test_the_set_is_schema_v2_with_float16_precision(real_labels, reference):
+COLUMNS = "prompt_id, logits, tau, label_block_size, trace_match, trace_confidence"
+
+
+def test_the_set_is_schema_v3_with_float16_precision(real_labels, reference):
     meta = decode_metadata(pq.read_schema(real_labels / "part-00000.parquet").metadata)
-    assert meta["schema_version"] == LABELS_SCHEMA_VERSION == "2"
+    assert meta["schema_version"] == LABELS_SCHEMA_VERSION == "3"
+    assert any(len(c) and len(c[0]) == 15 for c in reference["confidence"])  # b_max = 2B = 16: 15 drafted slots
     assert pq.read_schema(real_labels / "part-00000.parquet").field("logits").type.value_type == pa.float32()
     x = reference["logits"]
     assert np.array_equal(x.astype(np.float16).astype(np.float32), x)  # float16 values, nothing lost against v1
@@ -51,24 +60,24 @@ def test_polars_lazy_scan(real_labels, reference):
     lf = pl.scan_parquet(str(real_labels / "part-*.parquet"))
     V = reference["logits"].shape[1]
     assert lf.collect_schema()["logits"] == pl.Array(pl.Float32, V)
-    df = lf.select("prompt_id", "logits", "tau", "label_block_size").collect()
+    df = lf.select(*COLUMNS.split(", ")).collect()
     check(reference, df["prompt_id"].to_list(), df["logits"].to_numpy(), df["tau"].to_list(),
-          df["label_block_size"].to_list())
+          df["label_block_size"].to_list(), df["trace_match"].to_list(), df["trace_confidence"].to_list())
 
 
 def test_pandas(real_labels, reference):
     import pandas as pd
 
     df = pd.concat([pd.read_parquet(p) for p in sorted(real_labels.glob("part-*.parquet"))])
-    check(reference, df["prompt_id"].tolist(), list(df["logits"]), list(df["tau"]), df["label_block_size"].tolist())
+    check(reference, df["prompt_id"].tolist(), list(df["logits"]), list(df["tau"]), df["label_block_size"].tolist(),
+          list(df["trace_match"]), list(df["trace_confidence"]))
 
 
 def test_duckdb_reads_the_logits(real_labels, reference):
     import duckdb
 
-    rows = duckdb.sql(f"SELECT prompt_id, logits, tau, label_block_size FROM "
-                      f"read_parquet('{real_labels}/part-*.parquet')").fetchall()
-    check(reference, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
+    rows = duckdb.sql(f"SELECT {COLUMNS} FROM read_parquet('{real_labels}/part-*.parquet')").fetchall()
+    check(reference, *([r[i] for r in rows] for i in range(6)))
 
 
 def test_hf_load_dataset_on_the_folder_as_is(real_labels, reference, tmp_path, monkeypatch):
@@ -78,5 +87,6 @@ def test_hf_load_dataset_on_the_folder_as_is(real_labels, reference, tmp_path, m
     folder = Path(shutil.copytree(real_labels, tmp_path / "labels"))
     assert (folder / "_SUCCESS").exists() and (folder / "manifest.json").exists()  # not data, and not read
     ds = datasets.load_dataset(str(folder), cache_dir=str(tmp_path / "cache"))["train"]
-    check(reference, ds["prompt_id"], ds["logits"], ds["tau"], ds["label_block_size"])
+    check(reference, ds["prompt_id"], ds["logits"], ds["tau"], ds["label_block_size"], ds["trace_match"],
+          ds["trace_confidence"])
     assert set(ds.column_names) == set(pq.read_schema(folder / "part-00000.parquet").names)

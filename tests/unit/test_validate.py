@@ -228,3 +228,53 @@ def test_nan_logits(labels, capsys):
     rewrite(labels, S0, poison)
     msg = only_problem(labels, capsys)
     assert S0 in msg and pid in msg and "non-finite logits" in msg and "1 row(s)" in msg
+
+
+# ---- the per-step trace (schema v3) and older versions -----------------------------------------------------------
+
+TRACE = ["trace_block_size", "trace_stopped", "trace_match", "trace_confidence", "trace_seconds"]
+
+
+def test_trace_shorter_than_the_generation(labels, capsys):
+    pid = first_id(labels, S1, 1)
+    rewrite(labels, S1, lambda t: set_row(t, "trace_match", 1, t.column("trace_match")[1].as_py()[:-1]))
+    msg = only_problem(labels, capsys)
+    assert S1 in msg and pid in msg and "trace" in msg and "confidence lists" in msg
+
+
+def test_trace_confidence_outside_zero_one(labels, capsys):
+    pid = first_id(labels, S0, 3)
+
+    def damage(t):
+        conf = t.column("trace_confidence")[3].as_py()
+        conf[0][0] = 1.5
+        return set_row(t, "trace_confidence", 3, conf)
+
+    rewrite(labels, S0, damage)
+    msg = only_problem(labels, capsys)
+    assert S0 in msg and pid in msg and "outside [0, 1]" in msg
+
+
+def test_trace_null_in_part_only_and_a_row_without_trace(labels, capsys):
+    def no_trace(t):  # a row without a trace (exhaustive mode at T > 0): every trace column null
+        for name in TRACE:
+            t = set_row(t, name, 0, None)
+        return t
+
+    rewrite(labels, S0, no_trace)
+    assert validate(labels, capsys) == (0, [])
+    pid = first_id(labels, S0, 2)
+    rewrite(labels, S0, lambda t: set_row(t, "trace_stopped", 2, None))
+    msg = only_problem(labels, capsys)
+    assert S0 in msg and pid in msg and "null only in part" in msg
+
+
+def test_a_schema_v2_set_still_validates(labels, capsys):
+    """The same rows without the trace columns, marked v2, as a set written before v3 holds them."""
+    for name in (S0, S1):
+        t = pq.read_table(labels / name)
+        meta = dict(t.schema.metadata)
+        meta[b"blockpilot.schema_version"] = json.dumps("2").encode()
+        pq.write_table(t.drop_columns(TRACE).replace_schema_metadata(meta), labels / name)
+        refresh_manifest(labels, name)
+    assert validate(labels, capsys) == (0, [])

@@ -7,7 +7,9 @@ per prompt x method (resumable shard by shard, through :mod:`pipeline.executor.d
 
 The methods (AR, every fixed b, adaptive, with a tuned rule its two parts apart, the oracle):
 :mod:`pipeline.evaluation.methods`; the speedup and the result rows: :mod:`pipeline.evaluation.results`; the
-summary, the headline against the train-chosen fixed b and their rendering: :mod:`pipeline.evaluation`.
+summary, the headline against the train-chosen fixed b, the cost model's check against wall clock
+(:mod:`pipeline.evaluation.cost_check`: ``cost_model`` in ``summary.json``) and their rendering:
+:mod:`pipeline.evaluation`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pyarrow as pa
 
 from pipeline.runtime.config import PipelineConfig
 from pipeline.data.schemas import RESULTS_SCHEMA
+from pipeline.evaluation.cost_check import cost_check
 from pipeline.evaluation.headline import comparisons, headlines, train_chosen_b
 from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, default_fixed_block_sizes, methods_for,
                                          oracle_block_size)
@@ -209,6 +212,7 @@ class EvaluateStage(DecodingStage):
                         "train_chosen_b": train_chosen_b(self.policy_info)})
         summary["comparisons"] = comparisons(results, summary, self.policy_info)
         summary["folded_policy"] = folded_agreement(results)
+        summary["cost_model"] = cost_check(results, summary) if profile is not None else {}
         kinds = ("modelled", "wall") if profile is not None else ("wall",)
         summary["headline"] = headlines(results, summary, self.policy_info, kinds, self.step_rule, self.rule_fallback)
         write_text_atomic(render_markdown(summary), self.folder / "summary.md")

@@ -129,7 +129,8 @@ class TuneStage(DecodingStage):
                 rows.append({"prompt_id": rec["prompt_id"], "source": rec["source"], "method": method,
                              "block_size": b, "step_rule": rule, "steps": res.steps, "new_tokens": res.new_tokens,
                              "verified": res.verified, "committed": res.committed,
-                             "modelled_seconds": sum(self.profile.step_seconds(b, v) for v in res.verified),
+                             "modelled_seconds": self.profile.decode_seconds(res.verified, b, rule=rule is not None,
+                                                                             context=res.num_input_tokens),
                              "worker": self.worker.identity})
         meta = encode_metadata({"baseline": self.baseline})
         return pa.Table.from_pylist(rows, schema=TUNE_SCHEMA.with_metadata(meta))

@@ -120,8 +120,9 @@ RESULT_COLUMNS = [
     ("worker", pa.string(), "Which worker decoded the prompt."),
     ("step_rule", pa.string(), "The per-step verify rule tune chose (pipeline.policy.step_rules), on per-step rows and on "
      "adaptive rows it decoded; `block_size` is then the drafted block b_max. Null elsewhere."),
-    ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (steps x cost(b); per-step rows: the "
-     "draft's pass at b_max plus the verify over the tokens sent, per step). Null without a profile."),
+    ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (CostProfile.decode_seconds: per step "
+     "cost(v+1), or with a per-step rule the draft at b_max + the rule's own cost + the verify over what was sent, "
+     "plus the first step's extra). Null without a profile."),
     ("unfolded_block_size", pa.int16(), "adaptive rows: the choice of the same policy on the raw logits, as trained "
      "(adaptive itself runs it folded through lm_head, reading the final hidden state: BlockSizePolicy.fold, the "
      "serving form); evaluate counts where it equals `policy_block_size`. Null elsewhere, or when the policy does not "
@@ -144,7 +145,7 @@ TUNE_COLUMNS = [
     ("new_tokens", pa.int32(), "Tokens generated."),
     ("verified", pa.list_(pa.int16()), "Drafted tokens sent to the target at each step."),
     ("committed", pa.list_(pa.int16()), "Tokens committed at each step (bonus included)."),
-    ("modelled_seconds", pa.float64(), "Sum over steps of the cost profile's step_seconds(b_max, verified)."),
+    ("modelled_seconds", pa.float64(), "CostProfile.decode_seconds(verified, block_size, rule, prompt tokens)."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
 ]
 TUNE_SCHEMA = pa.schema([(n, t) for n, t, _ in TUNE_COLUMNS])

@@ -67,8 +67,13 @@ class DecodeResult:
     # max_new_tokens cut). The verify forward runs over verified + 1 positions.
     verified: List[int] = field(default_factory=list)
     step_rule: Optional[dict] = None  # the per-step rule's describe(), None for plain decoding at block_size
-    draft_seconds: float = 0.0
+    draft_seconds: float = 0.0  # sum over steps; a step rule's own work (rule_seconds) included
     verify_seconds: float = 0.0
+    # The first step's draft and verify seconds apart (its draft pass reads the whole prompt's context features, so
+    # it costs more than the others: what the cost profile fits as a per-decode term), and the seconds a step rule
+    # spent choosing (its confidences and verify_length, summed over steps; part of draft_seconds).
+    first_step_seconds: tuple = (0.0, 0.0)
+    rule_seconds: float = 0.0
     decode_seconds: float = 0.0
     stopped: bool = False  # ended on a stop token (else on max_new_tokens)
     # With decode(keep_context=True): the target's context features of every committed position, prompt included
@@ -234,6 +239,7 @@ class Engine:
                     else:
                         block_output_ids[:, 1:] = torch.argmax(draft_logits, dim=-1)
                 if step_rule is not None:  # not in dflash: verify only a prefix of the drafted block
+                    tr = self.now()
                     if draft_probs is None and draft_logits is None:
                         draft_logits = draft.compute_logits(draft_hidden, head)
                     k = int(step_rule.verify_length(draft_confidence(draft_probs, draft_logits), result.committed))
@@ -246,6 +252,7 @@ class Engine:
                         draft_probs = draft_probs[:, :k]
                     if draft_indices is not None:
                         draft_indices = draft_indices[:, :k]
+                    result.rule_seconds += self.now() - tr
             t1 = self.now()
             output = target(
                 block_output_ids,
@@ -287,6 +294,8 @@ class Engine:
                 if kept is not None:
                     kept.append(target_hidden)
             t2 = self.now()
+            if len(result.verified) == 1:
+                result.first_step_seconds = (t1 - t0, t2 - t1)
             result.draft_seconds += t1 - t0
             result.verify_seconds += t2 - t1
 

@@ -58,6 +58,7 @@ def render_markdown(s: Dict[str, Any]) -> str:
                        f"{hind:.3f}x | {v['oracle']:.3f}x | {v['oracle_headroom']:+.1%} | {v['gain']:+.2%} "
                        f"[{v['gain_ci95'][0]:+.2%}, {v['gain_ci95'][1]:+.2%}] | {cap} |")
         out.append("")
+    out += render_cost_model(s.get("cost_model") or {})
     if s.get("folded_policy"):
         f = s["folded_policy"]
         out += [f"Folded policy (reads the final hidden state): same choice as the policy on logits on {f['agree']} "
@@ -70,6 +71,32 @@ def render_markdown(s: Dict[str, Any]) -> str:
             out.append(f"| {c['against']} | {c['chosen_on']} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def render_cost_model(c: Dict[str, Any]) -> List[str]:
+    """summary.md's table of pipeline.evaluation.cost_check: modelled / measured decode seconds per method (none
+    without a cost profile)."""
+    if not c:
+        return []
+    sets = c["datasets"]
+
+    def pct(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:+.1%}"
+
+    out = ["## Cost model against wall clock: modelled / measured decode seconds", "",
+           "Per set and averaged: sum over prompts of modelled seconds / sum of measured ones; the median "
+           "per-prompt ratio; the ratio over AR's (what a speedup sees); the modelled speedup's error against "
+           f"the wall speedup. Mean over methods: |ratio - 1| {pct(c['mean_abs_ratio_error'])}, |speedup error| "
+           f"{pct(c['mean_abs_speedup_error'])}.", "",
+           "| method | " + " | ".join(sets) + " | average | median per prompt | over AR | speedup error |",
+           "| --- |" + " ---: |" * (len(sets) + 4)]
+    for m, v in c["methods"].items():
+        if v:
+            a = v["average"]
+            out.append(f"| {m} | " + " | ".join(_fmt(v.get(ds, {}).get("ratio"), 3) for ds in sets) +
+                       f" | {_fmt(a['ratio'], 3)} | {_fmt(a['median_ratio'], 3)} | {_fmt(a['ratio_vs_ar'], 3)} | "
+                       f"{pct(a['speedup_error'])} |")
+    return out + [""]
 
 
 def render_csv(s: Dict[str, Any]) -> str:

@@ -15,13 +15,14 @@ MODELLED_TPOT = "modelled_time_per_output_token"
 
 
 def modelled_seconds(cost_profile: Optional[Any], b: int, res: Any) -> Optional[float]:
-    """Modelled decode seconds: per step, the draft's pass over the block and the verify over what was sent
-    (pipeline.policy.cost.CostProfile.step_seconds); a plain step at b costs cost(b). None without a profile."""
+    """Modelled decode seconds (pipeline.policy.cost.CostProfile.decode_seconds): per step, the draft's pass and
+    the verify over what was sent (a plain step at b: cost(b), less at the max_new_tokens cut; a per-step rule's
+    step: the draft at b_max, the rule's own work, the verify over what it sent), plus the first step's extra
+    after this prompt. None without a profile."""
     if cost_profile is None:
         return None
-    if res.step_rule is None:
-        return res.steps * cost_profile.cost(b)
-    return sum(cost_profile.step_seconds(b, v) for v in res.verified)
+    return cost_profile.decode_seconds(res.verified, b, rule=res.step_rule is not None,
+                                       context=res.num_input_tokens)
 
 
 def result_row(rec: Dict[str, Any], method: str, kind: str, b: int, res: Any, prefill_s: float,

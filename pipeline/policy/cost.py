@@ -5,12 +5,24 @@ own device and dtype: a warm-up decode per (b, context), then rounds of timed de
 a shuffled order, so that load that comes and goes on a shared machine hits every b alike) until the median per-step
 cost of every b moves by less than ``rel_tol`` from one round to the next (or ``max_repeats`` rounds). Each timed
 decode runs at least ``steps`` verify steps (``max_new_tokens = steps * b + 1``, stop tokens off), since a probe of
-a few tokens measures one or two steps and is noise (the old start-up probe: 8 tokens at tau ~4 = 2 steps).
+a few tokens measures one or two steps and is noise (the old start-up probe: 8 tokens at tau ~4 = 2 steps); b = 1
+runs 4x as many (``ar_steps``), since its cheap steps warm up over the first several of a decode, 4 times a round.
 
 It then fits a smooth model, affine in b per component over b >= 2 (``draft(b) = a + c b``, ``verify(b) = a + c
 b``; b = 1 is autoregressive decoding, no draft, and keeps its measured value), and KEEPS the raw points, so a
 reader can refit. :class:`CostProfile` is the result; ``cost_profile.json`` is its documented format
 (:data:`FORMAT_DOC`). Ray-free.
+
+Two more terms (format version 2), because measured decodes showed them (benchmarks/results/cost-model-error.md):
+
+* the first step of a decode costs more than the others (its draft pass reads the whole prompt's context
+  features): the per-step costs are the steady ones, first step excluded, and ``first_step`` is a per-decode
+  extra, affine in the prompt length, one for speculative decoding (b >= 2) and one for AR (b = 1);
+* a per-step rule's own work (the draft's confidence over the vocabulary at every drafted slot, then the rule):
+  ``rule(b)``, affine in the drafted b, timed inside the engine on decodes with a rule that verifies the whole
+  block (``threshold:0``, so the verify is the plain one) at a few b.
+
+:meth:`CostProfile.decode_seconds` is the model of one whole decode; a version-1 profile reads with both terms 0.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 FORMAT = "blockpilot.cost_profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+TIMING_RULE = "threshold:0"  # verifies every drafted token, doing all of a threshold rule's work
 from pipeline.io.layout import COST_PROFILE as FILENAME  # noqa: E402
 
 FORMAT_DOC = f"""## `{FILENAME}` (format `{FORMAT}`, version {FORMAT_VERSION})
@@ -40,13 +53,16 @@ Seconds per decode step (draft forward + target verify) at every block size b in
 | `device`, `dtype` | the torch device and dtype the models ran in |
 | `target`, `draft`, `target_revision`, `draft_revision`, `trained_block_size` | the model pair |
 | `block_sizes`, `context_lengths` | the grid measured (prompt tokens before the timed decode) |
-| `settings` | steps per timed decode (at least), warm-up, min/max rounds, the stability tolerance |
-| `seconds` | `{{b: seconds per step}}` of the model: the fit for b >= 2, the measured value at b = 1. What consumers use |
-| `measured` | `{{b: {{draft, verify, total}}}}`: median over rounds of seconds per step, mean over context lengths |
+| `settings` | steps per timed decode (at least; version 2: `ar_steps` at b = 1, timed `ar_repeats` times a round), warm-up, min/max rounds, the stability tolerance |
+| `seconds` | `{{b: seconds per step}}` of the model: the fit for b >= 2, the measured value at b = 1; steady steps (the first step of each decode excluded; version 1: every step). What consumers use |
+| `measured` | `{{b: {{draft, verify, total}}}}`: median over rounds of steady seconds per step, mean over context lengths |
 | `spread` | `{{b: (p75 - p25) / median}}` of the total per-step seconds over rounds, worst context length |
-| `fit` | `{{draft: {{intercept, slope}}, verify: {{intercept, slope}}, from_block_size: 2, max_rel_residual}}`: seconds = intercept + slope x b |
-| `raw` | every timed point: `{{b, context, round, steps, draft_seconds, verify_seconds}}` (per step), warm-ups excluded |
+| `fit` | `{{draft: {{intercept, slope}}, verify: {{intercept, slope}}, from_block_size: 2, max_rel_residual}}`: seconds = intercept + slope x b; version 2 adds `rule: {{intercept, slope}}` (a per-step rule's own seconds per step, by drafted b) and `first_step: {{speculative, autoregressive}}` (each `{{intercept, slope}}`: the first step's extra seconds over a steady one, by prompt tokens) |
+| `raw` | every timed point: `{{b, context, round, steps, draft_seconds, verify_seconds}}` (per step, over all steps), warm-ups excluded; version 2 adds `first_draft_seconds`, `first_verify_seconds` (the first step's), `rule` (null, or `{TIMING_RULE}` on the rule's points, which the draft / verify fit leaves out) and `rule_seconds` (per step) |
+| `rule_block_sizes` | version 2: the b the rule's points were timed at |
 | `rounds`, `stable`, `wall_seconds`, `measured_at` | rounds run, whether every b met the tolerance, time spent, when |
+
+Version 1 (no `rule`, no `first_step`, per-step costs over all steps) still reads, with both terms 0.
 """
 
 
@@ -86,6 +102,7 @@ class CostProfile:
     fit: Dict[str, Any] = field(default_factory=dict)
     raw: List[Dict[str, Any]] = field(default_factory=list)
     meta: Dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION  # of the format it was measured in (a version-1 profile stays one when re-saved)
 
     def cost(self, b: int) -> float:
         b = int(b)
@@ -96,20 +113,43 @@ class CostProfile:
             return _affine(f["draft"], b) + _affine(f["verify"], b)
         raise KeyError(f"the cost profile has no block size {b} (measured {sorted(self.seconds)})")
 
-    def step_seconds(self, drafted: int, verified: int) -> float:
+    def step_seconds(self, drafted: int, verified: int, rule: bool = True) -> float:
         """One step of a per-step rule (pipeline/policy/step_rules.py): the draft's pass over a block of ``drafted``
-        tokens, then the target's verify over the known token + ``verified`` drafted ones (the two fitted components
-        apart). A plain step at b is ``step_seconds(b, b - 1)`` = ``cost(b)``."""
+        tokens, the rule's own work on it (``rule_seconds``; not with ``rule=False``), then the target's verify over
+        the known token + ``verified`` drafted ones (the fitted components apart). A plain step at b is
+        ``step_seconds(b, b - 1, rule=False)`` = ``cost(b)``."""
         f = self.fit
         if "draft" in f and "verify" in f and drafted >= f.get("from_block_size", 2):
-            return _affine(f["draft"], drafted) + _affine(f["verify"], verified + 1)
+            return (_affine(f["draft"], drafted) + _affine(f["verify"], verified + 1) +
+                    (self.rule_seconds(drafted) if rule else 0.0))
         return self.cost(verified + 1)
+
+    def rule_seconds(self, drafted: int) -> float:
+        """A per-step rule's own seconds in one step at ``drafted`` b (0 in a version-1 profile)."""
+        return max(0.0, _affine(self.fit["rule"], drafted)) if "rule" in self.fit else 0.0
+
+    def first_step_seconds(self, block_size: int, context: int) -> float:
+        """What the first step of a decode costs over a steady one, after a prompt of ``context`` tokens (0 in a
+        version-1 profile, whose per-step costs carry it spread over its timed steps)."""
+        fs = self.fit.get("first_step") or {}
+        p = fs.get("speculative" if block_size >= 2 else "autoregressive")
+        return max(0.0, _affine(p, context)) if p else 0.0
+
+    def decode_seconds(self, verified: Sequence[int], block_size: int, rule: bool = False, context: int = 0) -> float:
+        """The model of one whole decode with ``verified[i]`` drafted tokens sent at step i: plain decoding at
+        ``block_size`` costs ``cost(v + 1)`` a step (the draft and the verify run over the v + 1 tokens, fewer at
+        the max_new_tokens cut), a per-step rule ``step_seconds(block_size, v)``; plus the first step's extra."""
+        if not verified:
+            return 0.0
+        steps = (sum(self.step_seconds(block_size, v) for v in verified) if rule else
+                 sum(self.cost(v + 1) for v in verified))
+        return steps + self.first_step_seconds(block_size, context)
 
     def costs(self, block_sizes: Sequence[int]) -> Dict[int, float]:
         return {int(b): self.cost(b) for b in block_sizes}
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"format": FORMAT, "version": FORMAT_VERSION, **self.meta,
+        return {"format": FORMAT, "version": self.version, **self.meta,
                 "seconds": {str(b): v for b, v in sorted(self.seconds.items())},
                 "measured": {str(b): v for b, v in sorted(self.measured.items())},
                 "spread": {str(b): v for b, v in sorted(self.spread.items())},
@@ -125,12 +165,22 @@ class CostProfile:
     def from_dict(cls, d: Dict[str, Any]) -> "CostProfile":
         if d.get("format") != FORMAT:
             raise ValueError(f"not a cost profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        if int(d.get("version", 1)) > FORMAT_VERSION:
+            raise ValueError(f"cost profile version {d['version']} is newer than this reader ({FORMAT_VERSION})")
         known = ("format", "version", "seconds", "measured", "spread", "fit", "raw")
         return cls(seconds={int(b): float(v) for b, v in d["seconds"].items()},
                    measured={int(b): v for b, v in d.get("measured", {}).items()},
                    spread={int(b): float(v) for b, v in d.get("spread", {}).items()},
                    fit=d.get("fit", {}), raw=d.get("raw", []),
-                   meta={k: v for k, v in d.items() if k not in known})
+                   meta={k: v for k, v in d.items() if k not in known}, version=int(d.get("version", 1)))
+
+    @classmethod
+    def from_raw(cls, raw: List[Dict[str, Any]], meta: Optional[Dict[str, Any]] = None) -> "CostProfile":
+        """The profile the raw points of a ``cost_profile.json`` give (every b and context length they hold), fitted
+        as :func:`measure_profile` fits them: what a reader refitting the kept points gets."""
+        block_sizes = sorted({int(p["b"]) for p in raw if not p.get("rule")})
+        contexts = sorted({int(p["context"]) for p in raw})
+        return cls(*_fit(block_sizes, raw, contexts), raw=list(raw), meta=dict(meta or {}))
 
     def save(self, path: Union[str, Path]) -> None:
         from pipeline.io.shards import write_text_atomic
@@ -151,13 +201,30 @@ def _affine(p: Dict[str, float], b: float) -> float:
 def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
                     context_lengths: Sequence[int] = (64, 256), steps: int = 16, warmup: int = 1,
                     min_repeats: int = 3, max_repeats: int = 8, rel_tol: float = 0.02, seed: int = 0,
-                    meta: Optional[Dict[str, Any]] = None) -> CostProfile:
+                    meta: Optional[Dict[str, Any]] = None, rule_block_sizes: Optional[Sequence[int]] = None,
+                    ar_steps: Optional[int] = None, ar_repeats: int = 4) -> CostProfile:
     """Time the draft forward and the target verify per decode step at every b in ``block_sizes`` (see the module
-    docstring); returns the fitted profile with its raw points."""
+    docstring), and a per-step rule's own work at ``rule_block_sizes`` (default: the smallest, middle and largest b
+    >= 2); returns the fitted profile with its raw points. b = 1 runs ``ar_steps`` steps (default 4 x ``steps``):
+    its steps are the cheapest and warm up over the first several of a decode, which ``steps`` of them overstate
+    (on the tiny pair by ~7 %, benchmarks/results/cost-model-error.md), where a real AR decode runs hundreds; and
+    ``ar_repeats`` times per round and context, spread through the round as the b >= 2 points are (their fit pools
+    every b; b = 1 keeps its own median, which one decode per round left at the mercy of one moment's load)."""
     import torch
+
+    from pipeline.policy.step_rules import parse_rule
 
     t_start = time.perf_counter()
     block_sizes = sorted({int(b) for b in block_sizes})
+    multi = [b for b in block_sizes if b >= 2]
+    rule_sizes = sorted({int(b) for b in (rule_block_sizes if rule_block_sizes is not None else
+                                          (multi[:1] + multi[len(multi) // 2:][:1] + multi[-1:]))})
+    timing_rule = parse_rule(TIMING_RULE)
+    ar_steps = int(ar_steps or 4 * steps)
+
+    def n_steps(b: int) -> int:
+        return ar_steps if b == 1 else steps
+
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     saved, engine.stop_token_ids = engine.stop_token_ids, None  # every timed decode runs its steps
@@ -171,27 +238,27 @@ def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
             states[int(ctx)] = engine.prefill(ids)
 
         budget: Dict[tuple, int] = {}  # max_new_tokens that gives about `steps` steps (greedy: the same each time)
+        grid = [(b, ctx, None) for b in block_sizes for ctx in states for _ in range(ar_repeats if b == 1 else 1)]
+        grid += [(b, ctx, TIMING_RULE) for b in rule_sizes for ctx in states]
 
-        def timed(b: int, ctx: int):
-            r = engine.decode(states[ctx], block_size=b, max_new_tokens=budget.get((b, ctx), steps * b + 1))
+        def timed(b: int, ctx: int, rule: Optional[str]):
+            r = engine.decode(states[ctx], block_size=b, max_new_tokens=budget.get((b, ctx), n_steps(b) * b + 1),
+                              step_rule=timing_rule if rule else None)
             n = max(1, r.steps)
-            return r, r.steps, r.draft_seconds / n, r.verify_seconds / n
+            fd, fv = r.first_step_seconds
+            return r, {"b": b, "context": ctx, "steps": r.steps, "draft_seconds": r.draft_seconds / n,
+                       "verify_seconds": r.verify_seconds / n, "first_draft_seconds": fd,
+                       "first_verify_seconds": fv, "rule": rule, "rule_seconds": r.rule_seconds / n}
 
-        for ctx in states:
-            for b in block_sizes:
-                for _ in range(max(1, warmup)):
-                    r = timed(b, ctx)[0]
-                # The warm-up's own acceptance sets the token budget of this (b, context): `steps` steps each time.
-                committed = r.committed[:steps]
-                budget[(b, ctx)] = max(2, int(sum(committed)) + 1)
+        for b, ctx, rule in dict.fromkeys(grid):  # each once
+            for _ in range(max(1, warmup)):
+                r = timed(b, ctx, rule)[0]
+            if rule is None:  # the warm-up's own acceptance sets the token budget of this (b, context)
+                budget[(b, ctx)] = max(2, int(sum(r.committed[:n_steps(b)])) + 1)
         previous: Optional[Dict[int, float]] = None
         for rounds in range(1, max_repeats + 1):
-            grid = [(b, ctx) for b in block_sizes for ctx in states]
             for i in rng.permutation(len(grid)):
-                b, ctx = grid[i]
-                _, n, d, v = timed(b, ctx)
-                raw.append({"b": b, "context": ctx, "round": rounds, "steps": n, "draft_seconds": d,
-                            "verify_seconds": v})
+                raw.append({**timed(*grid[i])[1], "round": rounds})
             # Stable when the model (the fit, which pools every b) moves by less than rel_tol in one round.
             now = _fit(block_sizes, raw, list(states))[0]
             if rounds >= min_repeats and previous is not None:
@@ -206,23 +273,35 @@ def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
     info = {"device": str(engine.device), "dtype": str(next(engine.target.parameters()).dtype).replace("torch.", ""),
             "hardware": hardware_info(str(engine.device)), **(meta or {}),
             "block_sizes": block_sizes, "context_lengths": [int(c) for c in context_lengths],
-            "settings": {"steps": steps, "warmup": warmup, "min_repeats": min_repeats, "max_repeats": max_repeats,
-                         "rel_tol": rel_tol, "seed": seed},
+            "rule_block_sizes": rule_sizes,
+            "settings": {"steps": steps, "ar_steps": ar_steps, "ar_repeats": ar_repeats, "warmup": warmup,
+                         "min_repeats": min_repeats, "max_repeats": max_repeats, "rel_tol": rel_tol, "seed": seed},
             "rounds": rounds, "stable": bool(stable), "wall_seconds": round(time.perf_counter() - t_start, 2),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return CostProfile(seconds, measured, spread, fit, raw, info)
 
 
+def steady(p: Dict[str, Any]) -> Dict[str, float]:
+    """A raw point's {draft, verify} seconds per step over its steady steps (the first one left out; a version-1
+    point, which has no first step apart, over all of them)."""
+    n = int(p.get("steps", 1))
+    if "first_draft_seconds" not in p or n < 2:
+        return {"draft": p["draft_seconds"], "verify": p["verify_seconds"]}
+    return {k: (n * p[f"{k}_seconds"] - p[f"first_{k}_seconds"]) / (n - 1) for k in ("draft", "verify")}
+
+
 def _fit(block_sizes: Sequence[int], raw: List[Dict[str, Any]], contexts: Sequence[int]):
-    """(seconds, measured, spread, fit) from the raw points: medians over rounds, mean over context lengths, an
-    affine fit per component over b >= 2, the measured value at b = 1."""
+    """(seconds, measured, spread, fit) from the raw points: medians over rounds of the steady per-step seconds,
+    mean over context lengths, an affine fit per component over b >= 2, the measured value at b = 1; then the
+    first step's extra by prompt length and the rule's own seconds by b."""
     measured, spread = {}, {}
+    plain = [p for p in raw if not p.get("rule")]
     for b in block_sizes:
         per_ctx = {}
         for ctx in contexts:
-            sub = [p for p in raw if p["b"] == b and p["context"] == ctx]
-            per_ctx[ctx] = {k: float(np.median([p[f"{k}_seconds"] for p in sub])) for k in ("draft", "verify")}
-            tot = np.array([p["draft_seconds"] + p["verify_seconds"] for p in sub])
+            sub = [steady(p) for p in plain if p["b"] == b and p["context"] == ctx]
+            per_ctx[ctx] = {k: float(np.median([p[k] for p in sub])) for k in ("draft", "verify")}
+            tot = np.array([p["draft"] + p["verify"] for p in sub])
             q25, q50, q75 = np.percentile(tot, [25, 50, 75])
             spread[b] = max(spread.get(b, 0.0), float((q75 - q25) / q50) if q50 > 0 else 0.0)
         m = {k: float(np.mean([per_ctx[c][k] for c in per_ctx])) for k in ("draft", "verify")}
@@ -241,7 +320,39 @@ def _fit(block_sizes: Sequence[int], raw: List[Dict[str, Any]], contexts: Sequen
     for b in block_sizes:
         if b < 2:
             seconds[b] = measured[b]["total"]
+    fit.update(_extra_terms(plain, [p for p in raw if p.get("rule")], contexts))
     return seconds, measured, spread, fit
+
+
+def _extra_terms(plain: List[Dict[str, Any]], ruled: List[Dict[str, Any]], contexts: Sequence[int]
+                 ) -> Dict[str, Any]:
+    """``first_step`` (per kind, affine in the prompt length: the median over b and rounds of the first step's
+    seconds minus a steady step's, per context) and ``rule`` (affine in b: the median rule seconds per step), from
+    version-2 points; {} from version-1 ones."""
+    out: Dict[str, Any] = {}
+    first = [p for p in plain if "first_draft_seconds" in p and p.get("steps", 0) >= 2]
+    if first:
+        out["first_step"] = {}
+        for kind, sel in (("speculative", lambda b: b >= 2), ("autoregressive", lambda b: b < 2)):
+            ctxs, extra = [], []
+            for ctx in contexts:
+                sub = [p for p in first if sel(p["b"]) and p["context"] == ctx]
+                if sub:
+                    ctxs.append(ctx)
+                    extra.append(float(np.median([first_step_extra(p) for p in sub])))
+            if ctxs:
+                out["first_step"][kind] = fit_affine(ctxs, extra)
+    if ruled:
+        bs = sorted({p["b"] for p in ruled})
+        out["rule"] = fit_affine(bs, [float(np.median([p["rule_seconds"] for p in ruled if p["b"] == b]))
+                                      for b in bs])
+    return out
+
+
+def first_step_extra(p: Dict[str, Any]) -> float:
+    """A version-2 raw point's first step seconds over one of its steady steps."""
+    s = steady(p)
+    return p["first_draft_seconds"] + p["first_verify_seconds"] - s["draft"] - s["verify"]
 
 
 def profile_block_sizes(trained_block_size: int, candidates: Sequence[int] = ()) -> List[int]:

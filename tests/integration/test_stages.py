@@ -294,6 +294,14 @@ def test_evaluate_results_and_summary(run_dir):
                   .mean() for m in ("adaptive", c["against"]))
         assert c["humaneval"]["gain"] == pytest.approx(fx / ad - 1, rel=1e-5)
     assert "## Adaptive against a fixed block size" in md
+    # The cost model against wall clock (pipeline.evaluation.cost_check): every method, per set and averaged, from
+    # the rows' own modelled and measured seconds.
+    cm = s["cost_model"]["methods"]
+    assert set(cm) == set(methods) and "## Cost model against wall clock" in md
+    sub = res.filter((pl.col("source") == "humaneval") & (pl.col("method") == "b=8"))
+    assert cm["b=8"]["humaneval"]["ratio"] == pytest.approx(sub["modelled_seconds"].sum() /
+                                                            sub["decode_seconds"].sum(), rel=1e-5)
+    assert cm["AR"]["average"]["ratio_vs_ar"] == pytest.approx(1.0)
     csv = (out / "eval" / "summary.csv").read_text().splitlines()
     assert csv[0] == "metric,method,humaneval,stdlib-heldout-eval,average" and len(csv) == 1 + 3 * len(methods)  # tau, speedup, modelled
 
@@ -323,7 +331,11 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
 
     profile = CostProfile.load(out / "train" / "policy" / layout.COST_PROFILE)
     row = tuned.filter(pl.col("method") == "threshold:0.05@12").row(0, named=True)
-    assert row["modelled_seconds"] == pytest.approx(sum(profile.step_seconds(12, v) for v in row["verified"]))
+    prompt = pl.read_parquet(list(list_shards(out / "prompts"))).filter(pl.col("prompt_id") == row["prompt_id"])
+    assert row["modelled_seconds"] == pytest.approx(profile.decode_seconds(
+        row["verified"], 12, rule=True, context=len(prompt["input_ids"][0])))
+    assert profile.version == 2 and profile.rule_seconds(12) > 0 and row["modelled_seconds"] > sum(
+        profile.step_seconds(12, v, rule=False) for v in row["verified"])
     assert all(v <= 11 for v in row["verified"]) and len(row["verified"]) == row["steps"]
     # evaluate ran the chosen rule alone (and inside adaptive, in test_evaluate_results_and_summary), exactly (same
     # output as plain greedy).

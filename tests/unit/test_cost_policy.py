@@ -34,7 +34,17 @@ def test_profile_times_draft_and_verify_apart_keeps_raw_points_and_round_trips(t
     assert p.measured[2]["draft"] > 0 and p.measured[16]["draft"] > 0
     # Every timed decode ran about the asked steps (the token budget comes from the warm-up's own acceptance; the
     # last block may be cut short, which changes the draft's proposals there).
-    assert len(p.raw) == 3 * 3 * 2 and all(8 <= r["steps"] <= 9 for r in p.raw)
+    assert len(p.raw) == 3 * (4 + 2 + 2) * 2 and all(8 <= r["steps"] <= 9 for r in p.raw if r["b"] >= 2)
+    # b = 1 (cheap steps that warm up over the first several) runs 4x as many, 4 times a round and context.
+    assert p.meta["settings"]["ar_steps"] == 32 and all(r["steps"] == 32 for r in p.raw if r["b"] == 1)
+    assert sum(r["b"] == 1 for r in p.raw) == 3 * 4 * 2
+    # Version 2: the rule's own work timed at the smallest and largest b >= 2 (on decodes that verify the whole
+    # block), and each decode's first step apart (the per-decode term); the fit of both is kept.
+    ruled = [r for r in p.raw if r["rule"]]
+    assert p.meta["rule_block_sizes"] == [2, 16] and sorted({r["b"] for r in ruled}) == [2, 16]
+    assert all(0 < r["rule_seconds"] < r["draft_seconds"] for r in ruled) and p.rule_seconds(16) > 0
+    assert all(r["first_draft_seconds"] > 0 and r["first_verify_seconds"] > 0 for r in p.raw if r["b"] >= 2)
+    assert p.fit["rule"]["slope"] >= 0 and set(p.fit["first_step"]) == {"speculative", "autoregressive"}
     # The fit is affine and never falls with b (a longer block never costs less). How MUCH a b = 16 step costs
     # over a b = 2 step is timing, not asserted: on a short probe of the tiny pair it measured 1.06x to 1.3x on
     # quiet machines (a `> 1.1x` assert failed CI once). The fit must be the one of the measured medians.
@@ -44,8 +54,9 @@ def test_profile_times_draft_and_verify_apart_keeps_raw_points_and_round_trips(t
     assert p.cost(9) == pytest.approx(p.cost(2) + 7 / 14 * (p.cost(16) - p.cost(2)))  # b between: the fit
     p.save(tmp_path / layout.COST_PROFILE)
     d = json.loads((tmp_path / layout.COST_PROFILE).read_text())
-    assert d["format"] == FORMAT and set(d["seconds"]) == {"1", "2", "16"} and len(d["raw"]) == 18
-    for key in ("hardware", "device", "dtype", "spread", "fit", "context_lengths", "settings", "stable"):
+    assert d["format"] == FORMAT and set(d["seconds"]) == {"1", "2", "16"} and len(d["raw"]) == 48
+    for key in ("hardware", "device", "dtype", "spread", "fit", "context_lengths", "settings", "stable",
+                "rule_block_sizes"):
         assert key in d, key
     again = CostProfile.load(tmp_path / layout.COST_PROFILE)
     assert again.costs([1, 2, 16]) == p.costs([1, 2, 16]) and again.raw == p.raw

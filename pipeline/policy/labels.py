@@ -17,15 +17,6 @@ import numpy as np
 Values = Union[Sequence[float], np.ndarray]
 
 
-def argmax_smallest(values: Values) -> int:
-    """Index of the maximum; ties go to the first (the smaller block size, candidates being ascending)."""
-    best = 0
-    for i, v in enumerate(values):
-        if v > values[best]:
-            best = i
-    return best
-
-
 def tau_label(tau: Values) -> Union[int, np.ndarray]:
     """The BlockPilot paper's label: the index of the largest tau (per row for [N, |C|])."""
     tau = np.asarray(tau, dtype=np.float64)

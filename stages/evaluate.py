@@ -35,7 +35,8 @@ from pipeline.executor.stage import Rejects, Worker
 from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, write_parquet_atomic,
                                 write_text_atomic)
 from pipeline.io.storage import location, read_table
-from pipeline.policy.step_rules import parse_rule
+from pipeline.evaluation.rule_search import family
+from pipeline.policy.step_rules import load_rule
 
 from .ray_executor import execute
 from .decoding import DecodingStage
@@ -99,11 +100,23 @@ class EvaluateStage(DecodingStage):
         # Only a speed policy has a fallback b for the rule to replace (a classifier always takes its argmax).
         if self.step_rule is None or self.policy_info.get("score") != SPEED_SCORE:
             return None
-        return RuleFallback.from_tune(self.step_rule)
+        return RuleFallback.from_tune(self.step_rule, self.tune_dir)
+
+    @cached_property
+    def rule_methods(self) -> Dict[str, str]:
+        """{method: rule} of the per-step rules decoded apart: ``per-step`` (tune's choice) and, beside it, tune's
+        best rule of the threshold and learned families where that is another rule (method = the family)."""
+        if self.step_rule is None:
+            return {}
+        out = {PER_STEP: self.step_rule["rule"]}
+        for fam, line in (self.step_rule.get("families") or {}).items():
+            if fam in ("threshold", "learned") and line["rule"] != self.step_rule["rule"]:
+                out[fam] = line["rule"]
+        return out
 
     @property
     def methods(self) -> List[str]:
-        return methods_for(self.fixed, self.step_rule is not None)
+        return methods_for(self.fixed, self.step_rule is not None, [m for m in self.rule_methods if m != PER_STEP])
 
     @property
     def rows_per_input(self) -> int:
@@ -115,7 +128,10 @@ class EvaluateStage(DecodingStage):
                 "policy_sha256": {f: file_sha256(self.policy_dir / f) for f in POLICY_FILES},
                 "cost_profile_sha256": file_sha256(profile) if profile.exists() else None,
                 "step_rule": self.step_rule and {k: self.step_rule[k] for k in ("rule", "max_block_size")},
-                "rule_fallback": vars(self.rule_fallback) if self.rule_fallback else None,
+                "rule_fallback": self.rule_fallback and {k: getattr(self.rule_fallback, k)
+                                                         for k in ("rule", "max_block_size", "gain")},
+                "verify_model_sha256": file_sha256(self.layout.verify_model)
+                if self.step_rule is not None and self.layout.verify_model.exists() else None,
                 "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
 
     def describe(self) -> str:
@@ -145,6 +161,7 @@ class EvaluateStage(DecodingStage):
         self.adaptive = AdaptiveDecoder(self.engine, serving, self.rule_fallback)
         self.policy_only = AdaptiveDecoder(self.engine, serving)
         self.cost_profile = self._cost_profile()
+        self.rules = {m: load_rule(r, self.tune_dir) for m, r in self.rule_methods.items()}
 
     def _cost_profile(self):
         from pipeline.policy.cost import CostProfile
@@ -171,17 +188,17 @@ class EvaluateStage(DecodingStage):
             fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
             ad = {"adaptive": self.adaptive.generate(ids, state=state, **kw)}
             steps = {}
-            if self.step_rule is not None:  # the two parts apart: the policy alone, the tuned rule alone
+            if self.step_rule is not None:  # the two parts apart: the policy alone, the tuned rule(s) alone
                 ad[POLICY_ONLY] = self.policy_only.generate(ids, state=state, **kw)
                 bm = int(self.step_rule["max_block_size"])
-                steps[PER_STEP] = (bm, self.engine.decode(state, block_size=bm,
-                                                          step_rule=parse_rule(self.step_rule["rule"]), **kw))
-            return state, ar, fixed, ad, steps, self.reference(ids, ar)
+                steps = {m: (bm, self.engine.decode(state, block_size=bm, step_rule=rule, **kw))
+                         for m, rule in self.rules.items()}
+            return state, ar, fixed, ad, steps, self.reference(ids, ar), self.per_step_check(ids, steps)
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids"])
         row = partial(result_row, worker=self.worker.identity, cost_profile=self.cost_profile)
         rows: List[Dict[str, Any]] = []
-        for rec, (state, ar, fixed, ad, steps, ref) in self.each_prompt(input, table, rejects, measure):
+        for rec, (state, ar, fixed, ad, steps, ref, check) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
             rows.append(row(rec, "AR", "autoregressive", 1, ar, p, None, ref))
             rows += [row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
@@ -192,12 +209,32 @@ class EvaluateStage(DecodingStage):
                     r["unfolded_block_size"] = self.unfolded.choose(state)[0] if self.unfolded is not None else None
                 rows.append(r)
             for method, (b, res) in steps.items():
-                rows.append({**row(rec, method, method, b, res, p, None, ref), "step_rule": self.step_rule["rule"]})
+                rows.append({**row(rec, method, PER_STEP, b, res, p, None, ref), "step_rule": self.rule_methods[method],
+                             "simulated_equals_decoded": check.get(method),
+                             "per_step_oracle_seconds": check.get("oracle") if method == PER_STEP else None})
             best = oracle_block_size(cands, fixed, self.cost_profile)
             rows.append(row(rec, "oracle", "oracle", best, fixed[best], p, None, ref))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
                 "max_new_tokens": self.cfg.decode.max_new_tokens}
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))
+
+    def per_step_check(self, ids, steps) -> Dict[str, Any]:
+        """At T = 0, with rules decoded: this prompt's trace at b_max (labelling's own recorder, along the target's
+        greedy continuation), the simulator's lengths for each rule against its decode, and the per-step oracle's
+        modelled seconds. {} otherwise."""
+        if not steps or self.cfg.decode.temperature > 0 or self.cost_profile is None:
+            return {}
+        from pipeline.labelling.labels import replay_label_prompt
+        from pipeline.policy.simulate import per_step_oracle, simulate
+
+        bm = int(self.step_rule["max_block_size"])
+        trace = replay_label_prompt(self.engine, ids, [bm], self.cfg.decode.max_new_tokens,
+                                    trace_block_size=bm).trace
+        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.verified for m, (_, res) in steps.items()}
+        costs = [self.cost_profile.step_seconds(bm, k) for k in range(1, bm)]
+        out["oracle"] = self.cost_profile.decode_seconds(per_step_oracle(trace, costs), bm, rule=True,
+                                                         context=int(ids.shape[1]))
+        return out
 
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,15 +1,18 @@
 """tune: choose the per-step verify rule (pipeline/policy/step_rules.py) on the label set's held-out prompts.
 
-Input: the label prompts of the val split (``prompts/``, the hash split train uses: the MLP never trained on them),
-the first ``tune.limit``; the evaluation sets are never read. Every rule of ``tune.rules`` at every b_max of
-``tune.max_block_sizes`` decodes each prompt, beside the fixed b the train stage chose on its split (the baseline
-that evaluate's headline also uses). Output ``tune/part-N.parquet``: one row per prompt x method with the verify
-lengths of every step and the modelled seconds (the policy's cost profile: the draft's pass at b_max plus the
-verify over the tokens sent). ``tune/step_rule.json``: the rule with the least modelled time per token over these
-prompts, its gain over the fixed b and the whole table. Evaluate runs that rule on the held-out evaluation sets.
+Offline first (pipeline.evaluation.rule_search, on the driver): the acceptance model of the learned rule is fitted
+on the label set's train-split traces, then every rule of ``tune.rules`` (``learned`` included) is simulated on
+EVERY val-split row from its trace at the label set's b_max, beside the train-chosen fixed b and the per-step
+oracle, and scored by modelled time (the policy's cost profile). The evaluation sets are never read.
 
-A shortfall against the issue's design, said here too: the rules are scored by decoding these prompts again, not
-simulated from what labelling recorded (replay does not keep the draft's per-position probabilities yet).
+Then a decoded confirmation: the first ``tune.limit`` val prompts are decoded with the chosen rule, the best
+threshold rule, the learned rule and the fixed b (``tune/part-N.parquet``, one row per prompt x method), and every
+decode's per-step lengths are compared with the simulator's (``confirmed`` in step_rule.json).
+
+Outputs: ``tune/step_rule.json`` (the choice, every rule's line, the oracle's gain and each rule's share of it, the
+acceptance model's reliability table on val, the confirmation), ``tune/verify_model.json`` (the learned rule: the
+acceptance model and the step seconds; pipeline.policy.step_rules.load_rule reads it), ``tune/simulated.parquet``
+(one row per val prompt x simulated method).
 """
 
 from __future__ import annotations
@@ -20,36 +23,36 @@ from typing import Any, Dict, List
 
 import pyarrow as pa
 
-from pipeline.runtime.config import PipelineConfig
 from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
-from pipeline.io.shards import encode_metadata
+from pipeline.evaluation.rule_search import family, read_traced, search
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Plan, Rejects, ShardTask
-from pipeline.io.shards import MANIFEST, file_sha256, list_shards, shard_name, write_json_atomic
-from pipeline.io.layout import COST_PROFILE, POLICY_META, STEP_RULE, RunLayout
+from pipeline.io.layout import COST_PROFILE, POLICY_META, STEP_RULE, VERIFY_MODEL, RunLayout
+from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, shard_name, write_json_atomic,
+                                write_parquet_atomic)
 from pipeline.io.storage import location, read_table
 from pipeline.policy.blocksize import train_chosen_block_size
+from pipeline.policy.step_rules import LEARNED
+from pipeline.runtime.config import PipelineConfig
 
-from .ray_executor import execute
 from .decoding import DecodingStage
+from .ray_executor import execute
 
-
-
-def max_block_sizes(cfg: PipelineConfig, B: int) -> List[int]:
-    return sorted(set(cfg.tune.max_block_sizes or [max(2, (3 * B) // 2), 2 * B]))
+SIMULATED = "simulated.parquet"
 
 
 class TuneStage(DecodingStage):
     name = "tune"
-    extra_outputs = (STEP_RULE,)
+    extra_outputs = (STEP_RULE, VERIFY_MODEL, SIMULATED)
 
     def __init__(self, cfg: PipelineConfig):
         run = RunLayout(location(cfg.output_dir))
         super().__init__(cfg, run.tune, run.prompts, cfg.tune.num_workers)
-        self.train_dir, self.policy_dir = run.train, run.policy
+        self.train_dir, self.policy_dir, self.labels = run.train, run.policy, run.labels
 
     def requires(self):
-        return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot prepare")]
+        return [(self.train_dir, "blockpilot train"), (self.labels, "blockpilot label"),
+                (self.prompts, "blockpilot prepare")]
 
     @cached_property
     def policy_info(self) -> Dict[str, Any]:
@@ -61,13 +64,27 @@ class TuneStage(DecodingStage):
         return train_chosen_block_size(self.policy_info)
 
     @cached_property
-    def variants(self) -> List[tuple]:
-        B = int(self.policy_info["trained_block_size"])
-        return [(rule, bm) for bm in max_block_sizes(self.cfg, B) for rule in self.cfg.tune.rules]
+    def profile(self):
+        from pipeline.policy.cost import CostProfile
+
+        return CostProfile.load(self.policy_dir / COST_PROFILE)
+
+    @cached_property
+    def searched(self) -> Dict[str, Any]:
+        """The offline search (driver side): fit, simulate, choose."""
+        t = self.cfg.train
+        rows = read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction)
+        return search(rows, self.cfg.tune.rules, self.profile, self.baseline, self.cfg.decode.max_new_tokens)
+
+    @property
+    def confirm_rules(self) -> List[str]:
+        """What the decoded confirmation runs: the chosen rule and the best of each family tried."""
+        c = self.searched["choice"]
+        return list(dict.fromkeys([c["rule"], *(f["rule"] for f in c["families"].values())]))
 
     @property
     def rows_per_input(self) -> int:
-        return 1 + len(self.variants)
+        return 1 + len(self.confirm_rules)
 
     def check(self) -> None:
         if not (self.policy_dir / COST_PROFILE).exists():
@@ -79,98 +96,111 @@ class TuneStage(DecodingStage):
 
     def fingerprint(self) -> Dict[str, Any]:
         return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "tune": vars(self.cfg.tune),
-                "val_fraction": self.cfg.train.val_fraction, "baseline": self.baseline,
+                "val_fraction": self.cfg.train.val_fraction,
+                "calibration_fraction": self.cfg.train.calibration_fraction, "baseline": self.baseline,
                 "cost_profile_sha256": file_sha256(self.policy_dir / COST_PROFILE),
+                "labels_manifest_sha256": file_sha256(self.labels / MANIFEST),
                 "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
 
     def describe(self) -> str:
-        return f"b={self.baseline} and {len(self.variants)} rule variants on held-out label prompts"
+        return (f"{len(self.cfg.tune.rules)} rules simulated on the label set's val split, the best decoded on "
+                f"{self.cfg.tune.limit} of its prompts beside b={self.baseline}")
 
     def plan(self) -> Plan:
-        """The val split's prompts (prompt-id hash, as train splits), the first tune.limit, in shards of 8."""
-        from pipeline.policy.blocksize import is_val
-
-        frac, keep = self.cfg.train.val_fraction, []
+        """The first tune.limit prompts of the val split (those the search simulated), in shards of 8, each task
+        carrying the rules to decode (the learned one as its JSON)."""
+        wanted = {r["prompt_id"] for r in self.searched["rows"]}
+        keep = []
         for p in list_shards(self.prompts):
             t = read_table(p, columns=["prompt_id", "source", "input_ids"])
-            keep += [r for r in t.to_pylist() if is_val(r["prompt_id"], frac)]
+            keep += [r for r in t.to_pylist() if r["prompt_id"] in wanted]
             if len(keep) >= self.cfg.tune.limit:
                 break
         keep = keep[:self.cfg.tune.limit]
-        if not keep:
-            raise ValueError("tune: the label prompts have no val-split row (train.val_fraction is 0?)")
+        learned = self.searched["learned"]
+        spec = {"rules": self.confirm_rules, "learned": learned.to_dict() if learned is not None else None,
+                "max_block_size": self.searched["choice"]["max_block_size"]}
         chunks = [keep[i:i + 8] for i in range(0, len(keep), 8)]
-        return Plan([ShardTask(shard_name(i), c, len(c)) for i, c in enumerate(chunks)])
+        return Plan([ShardTask(shard_name(i), {"prompts": c, **spec}, len(c)) for i, c in enumerate(chunks)])
 
     # -- every actor --
-    def setup(self, worker) -> None:
-        from pipeline.policy.cost import CostProfile
+    def process_shard(self, input: Dict[str, Any], rejects: Rejects) -> pa.Table:
+        from pipeline.policy.step_rules import LearnedVerify, parse_rule
 
-        super().setup(worker)
-        self.profile = CostProfile.load(self.policy_dir / COST_PROFILE)
-
-    def process_shard(self, input: List[Dict[str, Any]], rejects: Rejects) -> pa.Table:
-        from pipeline.policy.step_rules import parse_rule
-
-        kw = self.decode_kwargs()
-        table = pa.Table.from_pylist(input)
+        kw, bm = self.decode_kwargs(), int(input["max_block_size"])
+        rules = {r: (LearnedVerify.from_dict(input["learned"]) if r == LEARNED else parse_rule(r))
+                 for r in input["rules"]}
+        table = pa.Table.from_pylist(input["prompts"])
 
         def measure(rec):
             state = self.engine.prefill(self.input_ids(rec))
             out = [(f"b={self.baseline}", self.baseline, None,
                     self.engine.decode(state, block_size=self.baseline, **kw))]
-            out += [(f"{rule}@{bm}", bm, rule, self.engine.decode(state, block_size=bm, step_rule=parse_rule(rule),
-                                                                   **kw)) for rule, bm in self.variants]
+            out += [(rule, bm, rule, self.engine.decode(state, block_size=bm, step_rule=obj, **kw))
+                    for rule, obj in rules.items()]
             return out
 
         rows = []
         for rec, results in self.each_prompt("held-out label prompts", table, rejects, measure):
             for method, b, rule, res in results:
-                rows.append({"prompt_id": rec["prompt_id"], "source": rec["source"], "method": method,
-                             "block_size": b, "step_rule": rule, "steps": res.steps, "new_tokens": res.new_tokens,
+                rows.append({"prompt_id": rec["prompt_id"], "source": rec["source"],
+                             "method": method if rule is None else f"{rule}@{b}", "block_size": b,
+                             "step_rule": rule, "steps": res.steps, "new_tokens": res.new_tokens,
                              "verified": res.verified, "committed": res.committed,
                              "modelled_seconds": self.profile.decode_seconds(res.verified, b, rule=rule is not None,
                                                                              context=res.num_input_tokens),
                              "worker": self.worker.identity})
-        meta = encode_metadata({"baseline": self.baseline})
-        return pa.Table.from_pylist(rows, schema=TUNE_SCHEMA.with_metadata(meta))
+        return pa.Table.from_pylist(rows, schema=TUNE_SCHEMA.with_metadata(encode_metadata({"baseline": self.baseline})))
 
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
-        choice = choose_rule(pa.concat_tables([read_table(p) for p in list_shards(self.folder)]), self.baseline)
+        s = self.searched
+        decoded = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
+        choice = {**s["choice"], "confirmed": confirm(decoded, s["rows"], self.baseline)}
+        write_parquet_atomic(pa.Table.from_pylist(s["rows"], schema=TUNE_SCHEMA), self.folder / SIMULATED)
+        if s["learned"] is not None:
+            write_json_atomic(s["learned"].to_dict(), self.folder / VERIFY_MODEL)
         write_json_atomic(choice, self.folder / STEP_RULE)
+        fam = choice["families"]
         return {"step_rule": choice["rule"], "max_block_size": choice["max_block_size"],
-                "gain_vs_baseline": choice["gain"], "baseline_b": self.baseline}
+                "gain_vs_baseline": choice["gain"], "baseline_b": self.baseline, "prompts": choice["prompts"],
+                "oracle_gain": choice["per_step_oracle"]["gain"],
+                "families": {f: {"rule": t["rule"], "gain": t["gain"], "oracle_gain_captured": t["oracle_gain_captured"]}
+                             for f, t in fam.items()},
+                "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"]}
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
+        fams = ", ".join(f"{f} {t['rule']} {t['gain']:+.2%}" for f, t in summary["families"].items())
         return [f"chose {summary['step_rule']} at b_max={summary['max_block_size']}: modelled gain "
-                f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on held-out label prompts "
-                f"(-> {self.folder / STEP_RULE})"]
+                f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on {summary['prompts']} held-out "
+                f"label prompts (simulated; per-step oracle {summary['oracle_gain']:+.2%}; best per family: {fams})",
+                f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})"]
 
     def card(self, manifest: Dict[str, Any]) -> str:
         rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in TUNE_COLUMNS)
-        return ("# BlockPilot per-step rule tuning\n\nOne row per held-out label prompt x method; `step_rule.json` "
-                f"holds the chosen rule.\n\n| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
+        return ("# BlockPilot per-step rule tuning\n\nThe shards: one row per decoded held-out label prompt x method; "
+                f"`{SIMULATED}`: one row per val prompt x simulated method (worker `simulated`; the fixed b's row "
+                "has no per-step lengths); `step_rule.json` holds the chosen rule.\n\n"
+                f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
 
 
-def choose_rule(results: pa.Table, baseline: int) -> Dict[str, Any]:
-    """The variant with the least modelled time per token (sum of seconds / sum of tokens over the prompts, the
-    ratio of means evaluate's speedups use); its gain over the fixed baseline; every variant's line."""
-    import polars as pl
-
-    df = pl.from_arrow(results.select(["method", "block_size", "step_rule", "modelled_seconds", "new_tokens"]))
-    per = (df.group_by(["method", "block_size", "step_rule"])
-             .agg(pl.col("modelled_seconds").sum(), pl.col("new_tokens").sum(), pl.len().alias("prompts"))
-             .with_columns((pl.col("modelled_seconds") / pl.col("new_tokens")).alias("tpot")).sort("tpot"))
-    base = per.filter(pl.col("method") == f"b={baseline}")["tpot"][0]
-    table = [{"method": r["method"], "rule": r["step_rule"], "max_block_size": int(r["block_size"]),
-              "modelled_time_per_token": r["tpot"], "gain": base / r["tpot"] - 1, "prompts": int(r["prompts"])}
-             for r in per.iter_rows(named=True)]
-    rules = [t for t in table if t["rule"] is not None]
-    best = rules[0]
-    return {"rule": best["rule"], "max_block_size": best["max_block_size"], "gain": best["gain"],
-            "baseline_b": baseline, "chosen_on": "held-out (val split) label prompts", "prompts": best["prompts"],
-            "table": table}
+def confirm(decoded: pa.Table, simulated: List[Dict[str, Any]], baseline: int) -> Dict[str, Any]:
+    """Decoded against simulated, per prompt and rule: equal per-step lengths (the simulator's exactness on this
+    run's own prompts), and each rule's modelled gain over the fixed b on the decoded prompts."""
+    sim = {(r["prompt_id"], r["method"]): r for r in simulated}
+    rows = decoded.to_pylist()
+    ruled = [r for r in rows if r["step_rule"] is not None]
+    equal = sum(sim.get((r["prompt_id"], r["method"]), {}).get("verified") == r["verified"] for r in ruled)
+    base = {r["prompt_id"]: r for r in rows if r["step_rule"] is None}
+    gains = {}
+    for method in sorted({r["method"] for r in ruled}):
+        mine = [r for r in ruled if r["method"] == method]
+        s = sum(r["modelled_seconds"] for r in mine)
+        gains[method] = {"rule": mine[0]["step_rule"], "family": family(mine[0]["step_rule"]),
+                         "decoded_gain": sum(base[r["prompt_id"]]["modelled_seconds"] for r in mine) / s - 1,
+                         "prompts": len(mine)}
+    return {"simulated_equals_decoded": f"{equal}/{len(ruled)} decodes", "equal": equal, "decodes": len(ruled),
+            "gains": gains}
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:

@@ -30,7 +30,7 @@ FAST = [
     "workers.cpus_per_worker=0.5", "train.epochs=4", "train.hidden=64", "train.lr=1e-3", "train.batch_size=8",
     "train.val_fraction=0.25", "train.use_gpu=false", "evaluate.limit=4",
     "train.checkpoint_every=2", "label.k=2",
-    "tune.limit=4", "tune.max_block_sizes=[12]", "tune.rules=[threshold:0.05,ema:0.5:2]",
+    "tune.limit=4", "tune.rules=[threshold:0.05,ema:0.5:2,learned]",
 ]
 
 

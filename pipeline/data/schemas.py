@@ -104,8 +104,10 @@ RESULT_COLUMNS = [
     ("prompt_id", pa.string(), "Id of the prompt (as in eval/prompts)."),
     ("source", pa.string(), "The evaluation set (evaluate.sources[].name)."),
     ("method", pa.string(), "AR, b=N, adaptive (the policy, its fallback b replaced by the tuned per-step rule when "
-     "tune measured it faster), policy (the policy alone), per-step (the tuned rule alone) or oracle."),
-    ("kind", pa.string(), "autoregressive, fixed, adaptive, policy, per-step or oracle."),
+     "tune measured it faster), policy (the policy alone), per-step (the tuned rule alone), threshold / learned "
+     "(tune's best rule of that family, when it is not the tuned rule itself) or oracle."),
+    ("kind", pa.string(), "autoregressive, fixed, adaptive, policy, per-step (also on threshold / learned rows) or "
+     "oracle."),
     ("block_size", pa.int16(), "The block size decoded with (1 for AR; the oracle's choice; adaptive / policy: the "
      "policy's b, or the drafted b_max when a per-step rule decoded the row)."),
     ("tau", pa.float32(), "Acceptance length: mean tokens committed per verify step, bonus token included."),
@@ -129,6 +131,11 @@ RESULT_COLUMNS = [
      "fold (an input transform other than none)."),
     ("policy_block_size", pa.int16(), "adaptive and policy rows: the policy's answer from the prefill (its fallback b "
      "when it did not deviate), from its serving form (folded, when it folds). Null elsewhere."),
+    ("per_step_oracle_seconds", pa.float64(), "per-step rows at T = 0: the modelled decode seconds of the per-step "
+     "oracle at the same b_max on this prompt (the verify length at each step chosen in hindsight over the prompt's "
+     "trace: pipeline.policy.simulate.per_step_oracle), which no rule can beat under the cost model. Null elsewhere."),
+    ("simulated_equals_decoded", pa.bool_(), "per-step, threshold and learned rows at T = 0: the simulator, run on "
+     "this prompt's trace, gives this decode's per-step verify lengths. Null elsewhere."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 

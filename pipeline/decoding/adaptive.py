@@ -21,22 +21,25 @@ import torch
 
 from pipeline.decoding.engine import DecodeResult, Engine, PrefillState
 from pipeline.policy.blocksize import BlockSizePolicy
-from pipeline.policy.step_rules import parse_rule
+from pipeline.policy.step_rules import load_rule
 
 
 @dataclass(frozen=True)
 class RuleFallback:
     """A per-step verify rule at b_max that replaces the policy's fallback b (``tune/step_rule.json``)."""
 
-    rule: str  # pipeline.policy.step_rules.parse_rule form, e.g. "threshold:0.01"
+    rule: str  # pipeline.policy.step_rules.load_rule form, e.g. "threshold:0.01" or "learned"
     max_block_size: int
     gain: float  # modelled gain over plain decoding at the fallback b, measured on held-out label prompts
+    folder: Optional[str] = None  # tune's folder: where the learned rule's verify_model.json lies
 
     @classmethod
-    def from_tune(cls, choice: Dict[str, Any]) -> Optional["RuleFallback"]:
-        """From tune's step_rule.json; None when the rule did not beat the fixed b there (it would only slow down)."""
+    def from_tune(cls, choice: Dict[str, Any], folder=None) -> Optional["RuleFallback"]:
+        """From tune's step_rule.json (in ``folder``); None when the rule did not beat the fixed b there (it would
+        only slow down)."""
         gain = float(choice.get("gain") or 0.0)
-        return cls(choice["rule"], int(choice["max_block_size"]), gain) if gain > 0 else None
+        where = None if folder is None else str(folder)
+        return cls(choice["rule"], int(choice["max_block_size"]), gain, where) if gain > 0 else None
 
     @property
     def min_gain(self) -> float:
@@ -44,7 +47,15 @@ class RuleFallback:
         return math.log1p(self.gain)
 
     def step_rule(self):
-        return parse_rule(self.rule)
+        return self._rule
+
+    @property
+    def _rule(self):
+        cached = self.__dict__.get("_loaded")
+        if cached is None:  # loaded once (the learned rule reads a file), kept on the frozen instance
+            cached = load_rule(self.rule, self.folder)
+            object.__setattr__(self, "_loaded", cached)
+        return cached
 
 
 @dataclass

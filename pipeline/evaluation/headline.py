@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 from pipeline.evaluation.methods import PER_STEP, POLICY_ONLY, fixed_methods
 from pipeline.evaluation.results import MODELLED_TPOT
@@ -131,6 +132,8 @@ def headlines(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str,
     out["adaptive_is"] = (
         f"the policy, its fallback b replaced by the per-step rule {rf.rule} at b_max={rf.max_block_size} (tune: "
         f"{rf.gain:+.2%} over the fallback b on held-out label prompts)" if rf else "the policy alone")
+    if step_rule is not None and "modelled" in kinds:
+        out.update(rule_headlines(results, summary, policy_info, step_rule, out["modelled"]))
     if step_rule is not None:
         for key, method in (("policy_only", POLICY_ONLY), ("per_step", PER_STEP)):
             rule = method == PER_STEP
@@ -140,4 +143,75 @@ def headlines(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str,
                         "tune_gain": step_rule.get("gain") if rule else None,
                         **{kind: headline_numbers(results, summary, policy_info, kind, method=method)
                            for kind in kinds}}
+        if "rules" in out:
+            out["per_step"]["oracle_gain_captured_per_step"] = out["rules"][PER_STEP]["oracle_gain_captured_per_step"]
+            out["per_step"]["per_step_oracle"] = out["rules"][PER_STEP]["per_step_oracle"]
     return out
+
+
+def per_step_oracle_speedups(results: pa.Table, datasets: Sequence[str]) -> Dict[str, Optional[float]]:
+    """The per-step oracle's modelled speedup vs AR per set and averaged (its seconds are on the per-step rows:
+    ``per_step_oracle_seconds``); {} where no row has them."""
+    import polars as pl
+
+    df = pl.from_arrow(results.select(["source", "method", "new_tokens", "modelled_seconds",
+                                       "per_step_oracle_seconds"]))
+    out: Dict[str, Optional[float]] = {}
+    for ds in datasets:
+        o = df.filter((pl.col("source") == ds) & (pl.col("method") == PER_STEP)
+                      & pl.col("per_step_oracle_seconds").is_not_null())
+        ar = df.filter((pl.col("source") == ds) & (pl.col("method") == "AR"))
+        if o.height and ar.height:
+            out[ds] = float((ar["modelled_seconds"] / ar["new_tokens"]).mean()
+                            / (o["per_step_oracle_seconds"] / o["new_tokens"]).mean())
+    if out:
+        out["average"] = float(np.mean(list(out.values())))
+    return out
+
+
+def pair_gain(results: pa.Table, a: str, b: str, reps: int = 2000, seed: int = 0) -> Dict[str, Any]:
+    """Modelled gain of method ``a`` over method ``b``: the ratio of their set-averaged modelled speedups vs AR,
+    minus 1, with its paired 95 % interval (prompts resampled within each set, a prompt's rows together)."""
+    import polars as pl
+
+    wide = (pl.from_arrow(results.select(["source", "prompt_id", "method", MODELLED_TPOT]))
+            .filter(pl.col("method").is_in(["AR", a, b]))
+            .pivot(on="method", index=["source", "prompt_id"], values=MODELLED_TPOT).drop_nulls()
+            .sort(["source", "prompt_id"]))
+    sets = wide["source"].to_numpy()
+    ci = grouped_paired_bootstrap(lambda ar, x, y: np.stack([ar / x, ar / y]),
+                                  *(wide[m].to_numpy().astype(np.float64) for m in ("AR", a, b)),
+                                  groups=sets, reps=reps, seed=seed, final=lambda s: s[0] / s[1] - 1)
+    ar, x, y = (wide[m].to_numpy().astype(np.float64) for m in ("AR", a, b))
+    speed = {ds: ((ar / x)[sets == ds].mean(), (ar / y)[sets == ds].mean()) for ds in sorted(set(sets.tolist()))}
+    avg_a, avg_b = (float(np.mean([v[i] for v in speed.values()])) for i in (0, 1))
+    return {"a": a, "b": b, "gain": avg_a / avg_b - 1, "gain_ci95": list(ci["average"]),
+            "per_set": {d: {"gain": float(v[0] / v[1] - 1), "ci95": list(ci[d])} for d, v in speed.items()},
+            "prompts": int(len(sets))}
+
+
+def rule_headlines(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str, Any],
+                   step_rule: Dict[str, Any], modelled: Dict[str, Any]) -> Dict[str, Any]:
+    """Every per-step rule decoded apart (per-step, threshold, learned) against the train-chosen b and the per-step
+    oracle (modelled), and ``learned_vs_threshold``: the learned rule's modelled gain over tune's best threshold rule
+    with its interval (null unless both were decoded)."""
+    methods = summary["methods"]
+    oracle = per_step_oracle_speedups(results, summary["datasets"])
+    chosen_family = str(step_rule["rule"]).split(":")[0]
+    by_family = {chosen_family: PER_STEP, **{m: m for m in ("threshold", "learned") if m in methods}}
+    rules: Dict[str, Any] = {}
+    base = modelled["baseline"]
+    for method in dict.fromkeys([PER_STEP, *by_family.values()]):
+        h = headline_numbers(results, summary, policy_info, "modelled", method=method)
+        o = oracle.get("average")
+        rules[method] = {"rule": next(r for r in results.filter(pa.compute.equal(results["method"], method))
+                                      .column("step_rule").to_pylist() if r is not None),
+                         "modelled_speedup": h["adaptive"], "gain": h["gain"], "gain_ci95": h["gain_ci95"],
+                         "per_step_oracle": o, "per_step_oracle_gain": (o / base - 1) if o else None,
+                         "oracle_gain_captured_per_step": (h["adaptive"] - base) / (o - base) if o and o > base
+                         else None}
+    lvt = None
+    if "learned" in by_family and "threshold" in by_family:
+        lvt = pair_gain(results, by_family["learned"], by_family["threshold"])
+        lvt.update(learned=rules[by_family["learned"]]["rule"], threshold=rules[by_family["threshold"]]["rule"])
+    return {"rules": rules, "per_step_oracle": oracle, "learned_vs_threshold": lvt}

@@ -7,7 +7,8 @@
   logits (its latency is measured and recorded), whose fallback b is replaced by the per-step rule ``blockpilot
   tune`` chose on held-out label prompts when tune measured it faster there;
 * with a tuned rule, its two parts apart: ``policy`` (the policy alone, every step verifying the whole block) and
-  ``per-step`` (the rule alone at its b_max);
+  ``per-step`` (the rule alone at its b_max); beside it ``threshold`` and ``learned``, tune's best rule of each of
+  those families where it is not the tuned rule (the learned rule against the threshold rule);
 * ``oracle``: the candidate this prompt's own label names, read from the fixed-b decodes.
 """
 
@@ -26,8 +27,9 @@ def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
     return sorted(scaled | set(candidates))
 
 
-def methods_for(fixed: List[int], per_step: bool = False) -> List[str]:
-    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([POLICY_ONLY, PER_STEP] if per_step else []), "oracle"]
+def methods_for(fixed: List[int], per_step: bool = False, rule_families: Sequence[str] = ()) -> List[str]:
+    return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([POLICY_ONLY, PER_STEP, *rule_families] if per_step else []),
+            "oracle"]
 
 
 def fixed_methods(methods: Sequence[str]) -> List[str]:

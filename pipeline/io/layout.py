@@ -22,6 +22,9 @@ CONFIG_SHA256 = "config.sha256"
 REJECTS = "rejects.jsonl"  # every reject of the stage, in one file
 REJECTS_DIR = "_rejects"  # per-shard reject files; the leading underscore keeps Parquet globs out of it
 INPUT_REJECTS = "input.jsonl"  # rows rejected before sharding (prepare's bad source rows)
+CHECKSUMS_DIR = "_checksums"  # part-NNNNN.json: each shard's sha256, published just before the shard itself
+LEASE = "_lease.json"  # the one writer's lease: host, pid, start, heartbeat (pipeline.executor.lease)
+LEASE_LOCK = "_lease.lock"  # local folders only: serialises lease takeovers and heartbeats (flock)
 
 # ---- artefacts ---------------------------------------------------------------------------------------------------
 COST_PROFILE = "cost_profile.json"  # pipeline.policy.cost.CostProfile (beside label shards, and beside a policy)
@@ -29,6 +32,7 @@ POLICY_META = "policy.json"  # pipeline.policy.blocksize.BlockSizePolicy: metada
 POLICY_WEIGHTS = "model.safetensors"
 POLICY_FILES = (POLICY_META, POLICY_WEIGHTS)
 STEP_RULE = "step_rule.json"  # tune's choice of per-step verify rule
+VERIFY_MODEL = "verify_model.json"  # tune's learned verify rule (pipeline.policy.step_rules.LearnedVerify), beside it
 METRICS = "metrics.jsonl"  # train's per-epoch metrics
 CURVES = "curves.png"  # train's loss and val curves
 
@@ -66,6 +70,10 @@ class RunLayout:
     @property
     def step_rule(self) -> Path:
         return self.root / TUNE / STEP_RULE
+
+    @property
+    def verify_model(self) -> Path:
+        return self.root / TUNE / VERIFY_MODEL
 
     @property
     def eval(self) -> Path:

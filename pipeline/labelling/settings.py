@@ -19,8 +19,9 @@ def trained_block_size(cfg: PipelineConfig) -> int:
 
 
 def trace_block_size(cfg: PipelineConfig) -> int:
-    """b_max of the per-step trace: label.trace_block_size, else 2B, the largest b_max tune drafts by default."""
-    return int(cfg.label.trace_block_size or 2 * trained_block_size(cfg))
+    """b_max of the per-step trace (and of tune's rules): label.trace_block_size, else B + B // 4."""
+    B = trained_block_size(cfg)
+    return int(cfg.label.trace_block_size or max(2, B + B // 4))
 
 
 def resolve_mode(cfg: PipelineConfig) -> str:

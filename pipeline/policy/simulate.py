@@ -22,10 +22,11 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from pipeline.policy.step_rules import ConfidenceThreshold, Full, RunningAcceptance
+from pipeline.policy.step_rules import ConfidenceThreshold, Full, LearnedVerify, RunningAcceptance
 from pipeline.policy.trace import Trace
 
-__all__ = ["Packed", "Simulated", "Trace", "pack_traces", "simulate", "simulate_many"]
+__all__ = ["Packed", "Simulated", "Trace", "pack_traces", "per_step_oracle", "simulate", "simulate_many"]
+_LOCKSTEP = (Full, ConfidenceThreshold, RunningAcceptance, LearnedVerify)
 
 
 def _undraftable(i: int, trace: Trace):
@@ -109,10 +110,10 @@ def pack_traces(traces: Sequence[Trace], max_new_tokens: Optional[int] = None) -
 
 def simulate_many(traces, rule, max_new_tokens: Optional[int] = None) -> Simulated:
     """:func:`simulate` of one rule on every trace (a list, or :func:`pack_traces`' answer; any mix of b_max), in
-    lockstep with numpy for Full, ConfidenceThreshold and RunningAcceptance; any other rule goes trace by trace
-    through :func:`simulate`."""
+    lockstep with numpy for the rules of pipeline.policy.step_rules; any other rule goes trace by trace through
+    :func:`simulate`."""
     packed = traces if isinstance(traces, Packed) else None
-    if not isinstance(rule, (Full, ConfidenceThreshold, RunningAcceptance)):
+    if not isinstance(rule, _LOCKSTEP):
         pairs = [simulate(t, rule, max_new_tokens) for t in (packed.traces if packed else traces)]
         return Simulated([v for v, _ in pairs], [c for _, c in pairs])
     packed = packed or pack_traces(traces, max_new_tokens)
@@ -121,6 +122,7 @@ def simulate_many(traces, rule, max_new_tokens: Optional[int] = None) -> Simulat
     P = len(end)
     at = np.zeros(P, dtype=np.int64)
     ema = np.zeros(P, dtype=np.float64)  # RunningAcceptance's average of committed - 1 (after the first step)
+    prev = np.full(P, -1, dtype=np.int64)  # LearnedVerify's previous accepted count (-1 before the first step)
     verified: List[List[int]] = [[] for _ in range(P)]
     committed: List[List[int]] = [[] for _ in range(P)]
     live = np.flatnonzero(at < end)
@@ -133,14 +135,17 @@ def simulate_many(traces, rule, max_new_tokens: Optional[int] = None) -> Simulat
             raise _undraftable(int(at[p]), packed.traces[p])
         if static is not None:
             k = static[live, i]
+        elif isinstance(rule, LearnedVerify):
+            k = rule.lengths(packed.conf[live, i, :int(w.max())], w, prev[live])
         elif seen:  # RunningAcceptance: ceil(ema + slack) in 1..w
             k = np.maximum(1, np.minimum(w, np.ceil(ema[live] + rule.slack).astype(np.int64)))
         else:  # RunningAcceptance: the whole block on the first step
             k = w
         produced = np.minimum(np.minimum(match[live, i], k) + 1, end[live] - i)
-        if static is None:
+        if isinstance(rule, RunningAcceptance):
             c1 = (produced - 1).astype(np.float64)
             ema[live] = rule.alpha * c1 + (1 - rule.alpha) * ema[live] if seen else c1
+        prev[live] = produced - 1
         for p, kk, c in zip(live.tolist(), k.tolist(), produced.tolist()):
             verified[p].append(kk)
             committed[p].append(c)
@@ -148,3 +153,32 @@ def simulate_many(traces, rule, max_new_tokens: Optional[int] = None) -> Simulat
         live = live[at[live] < end[live]]
         seen = True
     return Simulated(verified, committed)
+
+
+def per_step_oracle(trace: Trace, step_seconds: Sequence[float]) -> List[int]:
+    """The verify lengths of the per-step oracle at b_max = trace.block_size: the path along g that hindsight makes
+    cheapest, ``step_seconds[k - 1]`` a step verifying k drafted tokens (a dynamic programme over the offsets of g:
+    from offset i a step sending k commits min(match_i, k) + 1, cut at g's end). What no rule can beat under the same
+    cost model, since every rule's path is one of those it searches."""
+    trace.check()
+    end = trace.new_tokens - 1
+    best = np.zeros(end + 1)  # seconds from offset i to the end
+    choice = np.zeros(end + 1, dtype=np.int64)
+    for i in range(end - 1, -1, -1):
+        w = len(trace.confidence[i])
+        if not w:
+            best[i], choice[i] = np.inf, 0  # undraftable here, as simulate
+            continue
+        ks = np.arange(1, w + 1)
+        nxt = np.minimum(i + np.minimum(trace.match[i], ks) + 1, end)
+        total = np.asarray(step_seconds[:w], dtype=np.float64) + best[nxt]
+        choice[i] = int(ks[int(np.argmin(total))])  # ties: the smaller k
+        best[i] = float(total.min())
+    if not np.isfinite(best[0]):
+        raise _undraftable(int(np.flatnonzero([not len(c) for c in trace.confidence])[0]), trace)
+    verified, i = [], 0
+    while i < end:
+        k = int(choice[i])
+        verified.append(k)
+        i = min(i + min(trace.match[i], k) + 1, end)
+    return verified

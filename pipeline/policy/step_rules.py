@@ -15,7 +15,7 @@ the number of drafted tokens to verify) and ``describe()`` (a JSON-able dict, re
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
@@ -86,9 +86,97 @@ class RunningAcceptance:
         return {"rule": self.name, **asdict(self)}
 
 
+@dataclass(frozen=True)
+class LearnedVerify:
+    """Verify the k that maximises the expected committed tokens per modelled second of the step:
+    argmax_k (1 + S_1 + ... + S_k) / step_seconds[k - 1], where S_j is the acceptance model's survival of the first
+    j drafted slots (pipeline.policy.acceptance, fitted on the label set's traces) and ``step_seconds[k - 1]`` the
+    cost profile's step at this b_max verifying k drafted tokens (pipeline.policy.cost.CostProfile.step_seconds:
+    the draft's pass, the rule's own work, the verify). Ties go to the smaller k. Reads only the draft's
+    confidences and the accepted count of the previous step, so it stays exact like every rule here."""
+
+    model: Any  # pipeline.policy.acceptance.AcceptanceModel
+    step_seconds: Tuple[float, ...]
+    name = "learned"
+
+    def __post_init__(self):
+        if not self.step_seconds or min(self.step_seconds) <= 0:
+            raise ValueError(f"a learned rule needs positive step seconds for k = 1..b_max - 1, got "
+                             f"{list(self.step_seconds)}")
+
+    @classmethod
+    def from_profile(cls, model, profile, block_size: int) -> "LearnedVerify":
+        return cls(model, tuple(float(profile.step_seconds(block_size, k)) for k in range(1, block_size)))
+
+    def lengths(self, conf, width, prev):
+        """k for L steps at once (numpy: ``conf`` [L, W] zero-padded, ``width`` [L] drafted slots, ``prev`` [L]
+        the previous step's accepted count or -1): what pipeline.policy.simulate runs in lockstep, and
+        :meth:`verify_length` on one step, so that both make the same float64 arithmetic."""
+        import numpy as np
+
+        conf = np.asarray(conf, dtype=np.float64)
+        W = conf.shape[1]
+        if W > len(self.step_seconds):
+            raise ValueError(f"a block of {W} drafted slots, the rule was built for b_max {len(self.step_seconds) + 1}")
+        gain = self.model.expected_committed(conf, np.asarray(prev), np.asarray(width))
+        gain = gain / self._seconds[None, :W]
+        gain[np.arange(W)[None, :] >= np.asarray(width)[:, None]] = -np.inf
+        return gain.argmax(axis=1) + 1
+
+    @property
+    def _seconds(self):
+        import numpy as np
+
+        cached = self.__dict__.get("_seconds_array")
+        if cached is None:
+            cached = np.asarray(self.step_seconds, dtype=np.float64)
+            object.__setattr__(self, "_seconds_array", cached)
+        return cached
+
+    def verify_length(self, confidence: torch.Tensor, committed: Sequence[int]) -> int:
+        """One step: :meth:`lengths`' arithmetic, op for op, on one row: a rule runs once per decode step, and the
+        batched form's masks cost several times the arithmetic (benchmarks/results/learned-rule-cost.md)."""
+        import numpy as np
+
+        from pipeline.policy.acceptance import _FLOOR
+
+        c = confidence.double().cpu().numpy()
+        W = c.shape[0]
+        a, b, by_pos, p_w, p_first, p_c = self.model._folded(W)
+        prev = committed[-1] - 1 if committed else -1
+        logc = np.log(np.maximum(c, _FLOOR))
+        z = a * logc + b * np.cumsum(logc) + by_pos + ((p_first if prev < 0 else p_w * float(max(prev, 0))) + p_c)
+        e = 1.0 + np.cumsum(np.cumprod(1.0 / (1.0 + np.exp(-z))))
+        return int((e / self._seconds[:W]).argmax()) + 1
+
+    def describe(self) -> Dict[str, Any]:
+        return {"rule": self.name, "block_size": len(self.step_seconds) + 1}
+
+    def to_dict(self) -> Dict[str, Any]:
+        """``verify_model.json``: the acceptance model and the step seconds, plain JSON."""
+        return {"format": LEARNED_FORMAT, "version": 1, "rule": self.name, "block_size": len(self.step_seconds) + 1,
+                "step_seconds": list(self.step_seconds), "acceptance_model": self.model.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "LearnedVerify":
+        from pipeline.policy.acceptance import AcceptanceModel
+
+        if d.get("format") != LEARNED_FORMAT:
+            raise ValueError(f"not a learned verify rule (format {d.get('format')!r}, expected {LEARNED_FORMAT!r})")
+        return cls(AcceptanceModel.from_dict(d["acceptance_model"]), tuple(map(float, d["step_seconds"])))
+
+
+LEARNED = LearnedVerify.name
+LEARNED_FORMAT = "blockpilot.learned_verify"
+
+
 def parse_rule(text: str):
-    """``full``, ``threshold:T[:MIN]``, ``ema:ALPHA[:SLACK]`` -> a rule; a bad form names itself."""
+    """``full``, ``threshold:T[:MIN]``, ``ema:ALPHA[:SLACK]`` -> a rule; a bad form names itself. ``learned`` is
+    fitted, not parsed: :func:`load_rule`."""
     parts = str(text).strip().split(":")
+    if parts == [LEARNED]:
+        raise ValueError("the learned rule is fitted by blockpilot tune and read from its verify_model.json "
+                         "(pipeline.policy.step_rules.load_rule)")
     try:
         if parts[0] == "full" and len(parts) == 1:
             return Full()
@@ -99,6 +187,21 @@ def parse_rule(text: str):
     except ValueError as err:
         raise ValueError(f"step rule {text!r}: {err}") from None
     raise ValueError(f"step rule {text!r}: expected full, threshold:T[:MIN_TOKENS] or ema[:ALPHA[:SLACK]]")
+
+
+def load_rule(text: str, folder=None):
+    """A rule by name: :func:`parse_rule`'s forms, or ``learned`` from ``folder``/verify_model.json (tune's folder;
+    plain JSON, never pickle)."""
+    import json
+
+    from pipeline.io.layout import VERIFY_MODEL
+    from pipeline.io.storage import location
+
+    if str(text).strip() != LEARNED:
+        return parse_rule(text)
+    if folder is None:
+        raise ValueError("the learned rule needs the folder of its verify_model.json (tune's)")
+    return LearnedVerify.from_dict(json.loads((location(folder) / VERIFY_MODEL).read_text()))
 
 
 def draft_confidence(draft_probs, draft_logits) -> torch.Tensor:

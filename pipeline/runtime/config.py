@@ -142,7 +142,8 @@ class LabelConfig:
     # Prompts per actor forward in replay mode (pipeline/labelling/batched.py), within a shard; 1 = batch-1 replay.
     # Exhaustive mode is always batch-1. A batch that fails is retried prompt by prompt.
     batch_size: int = 64
-    # Drafted b_max of the per-step trace in every row (pipeline/labelling/trace.py); None = 2B (tune's largest).
+    # Drafted b_max of the per-step trace in every row (pipeline/labelling/trace.py), the b_max tune's rules run
+    # at; None = B + B // 4 (benchmarks/results/default-trace-block-size.md).
     trace_block_size: Optional[int] = None
 
 
@@ -181,7 +182,7 @@ class TrainConfig:
     # Rows per step (per worker).
     batch_size: int = 32
     # Share of the label set (by prompt-id hash) held out as the val split (metrics, and tune's prompts).
-    val_fraction: float = 0.1
+    val_fraction: float = 0.3
     # One of OBJECTIVES.
     # speed: regress every candidate's decode speed tau(b) / cost(b) (relative to the fallback b) and pick the
     #   fastest, falling back to the best fixed b unless the predicted gain beats a calibrated margin;
@@ -235,16 +236,16 @@ class EvaluateConfig:
 @dataclass
 class TuneConfig:
     """Per-step verify length (pipeline/policy/step_rules.py), chosen on the label set's held-out (val) prompts, never on
-    the evaluation sets: every rule of `rules` at every b_max of `max_block_sizes` is decoded on `limit` of them,
-    and the fastest by modelled time (the cost profile) is what evaluate runs."""
+    the evaluation sets: every rule of `rules` is simulated from the traces of every val row at the label set's
+    trace b_max, the fastest by modelled time (the cost profile) is what evaluate runs; `limit` val prompts are
+    decoded to confirm it."""
 
-    # Step rules to try: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK.
-    # The thresholds are small because a product of top-1 probabilities falls fast with the position.
-    rules: List[str] = field(default_factory=lambda: ["threshold:0.01", "threshold:0.02", "threshold:0.05"])
-    # Drafted block sizes b_max; None = [1.5 B, 2 B] (a rule only ever cuts, so b_max sits above the fixed optimum).
-    max_block_sizes: Optional[List[int]] = None
-    # Held-out label prompts decoded (the first `limit` of the val split, by prompt-id hash).
-    limit: int = 32
+    # Step rules: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK, full,
+    # learned (fitted on the train split's traces: expected committed tokens per modelled second).
+    rules: List[str] = field(default_factory=lambda: ["threshold:0.002", "threshold:0.005", "threshold:0.01",
+                                                      "threshold:0.02", "threshold:0.05", "ema:0.5:1", "learned"])
+    # Val prompts decoded to confirm the simulation (the chosen rule, the best of each family, the fixed b).
+    limit: int = 8
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
 
@@ -342,13 +343,12 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
     _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
     _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
-    _check(cfg.tune.max_block_sizes is None or all(b >= 2 for b in cfg.tune.max_block_sizes),
-           "tune.max_block_sizes", "every b_max must be >= 2")
-    from pipeline.policy.step_rules import parse_rule
+    from pipeline.policy.step_rules import LEARNED, parse_rule
 
     for i, rule in enumerate(cfg.tune.rules):
         try:
-            parse_rule(rule)
+            if rule != LEARNED:
+                parse_rule(rule)
         except ValueError as err:
             raise ConfigError(f"config key 'tune.rules[{i}]': {err}") from None
     for section in ("prepare", "evaluate"):

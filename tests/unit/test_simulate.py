@@ -12,12 +12,13 @@ from pipeline.labelling.batched import batched_replay_label_prompts
 from pipeline.labelling.labels import label_prompt, replay_label_prompt
 from pipeline.policy.simulate import Trace, pack_traces, simulate, simulate_many
 from pipeline.policy.step_rules import ConfidenceThreshold, Full, RunningAcceptance
-from random_pair import EOS_ID, make_pair, prompt
+from random_pair import EOS_ID, learned_rule, make_pair, prompt
 
 B_MAX = 6
 RULES = [Full(), ConfidenceThreshold(0.9), ConfidenceThreshold(0.3), ConfidenceThreshold(0.05),
          ConfidenceThreshold(1.0), ConfidenceThreshold(0.3, min_tokens=2), RunningAcceptance(0.5, 0.0),
-         RunningAcceptance(0.3, 2.0), RunningAcceptance(1.0, 1.0)]
+         RunningAcceptance(0.3, 2.0), RunningAcceptance(1.0, 1.0), learned_rule(B_MAX),
+         learned_rule(B_MAX, slope=0.05, w_prev=-0.3)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -33,7 +34,9 @@ def _assert_simulated_equals_decoded(engine, ids, trace, max_new, rules, stats):
         assert got == (res.verified, res.committed), f"{rule.describe()}: simulated != decoded"
         many = simulate_many([trace, trace], rule, max_new)
         assert many.verified == [res.verified] * 2 and many.committed == [res.committed] * 2
-        stats["cut"] += any(1 < v < trace.block_size - 1 for v in res.verified)
+        cut = any(1 < v < trace.block_size - 1 for v in res.verified)
+        stats["cut"] += cut
+        stats[f"cut:{rule.name}"] = stats.get(f"cut:{rule.name}", 0) + cut
         stats["steps"] += res.steps
     stats["stopped" if trace.stopped else "max_new"] += 1
 
@@ -66,8 +69,9 @@ def test_simulated_equals_decoded_on_random_pairs(variant):
                 one = replay_label_prompt(engine, ids, [B_MAX], max_new, trace_block_size=B_MAX)
                 _assert_same_trace(got.trace, one.trace)
                 _assert_simulated_equals_decoded(engine, ids, one.trace, max_new, RULES, stats)
-                _assert_simulated_equals_decoded(engine, ids, got.trace, max_new, RULES[:3], stats)
+                _assert_simulated_equals_decoded(engine, ids, got.trace, max_new, RULES[:3] + RULES[-1:], stats)
     assert stats["cut"] >= 10 and stats["stopped"] >= 2 and stats["max_new"] >= 4, stats
+    assert stats["cut:learned"] >= 4 and stats["cut:threshold"] >= 4, stats
 
 
 def test_simulated_equals_decoded_on_the_tiny_pair():
@@ -82,7 +86,7 @@ def test_simulated_equals_decoded_on_the_tiny_pair():
     prompts = [torch.tensor(r["input_ids"])[None] for r in rows]
     newline = m.tokenizer("\n", add_special_tokens=False)["input_ids"][-1:]
     rules = [Full(), ConfidenceThreshold(0.01), ConfidenceThreshold(0.05), ConfidenceThreshold(0.3),
-             RunningAcceptance(0.5, 1.0)]
+             RunningAcceptance(0.5, 1.0), learned_rule(16, slope=0.05), learned_rule(16, slope=0.3)]
     stats = {"cut": 0, "steps": 0, "stopped": 0, "max_new": 0}
     for stops, max_new in ((m.stop_token_ids + newline, 40), (m.stop_token_ids, 20)):
         engine = Engine(m.target, m.draft, stops)
@@ -93,6 +97,7 @@ def test_simulated_equals_decoded_on_the_tiny_pair():
         one = replay_label_prompt(engine, prompts[0], [8], max_new, trace_block_size=16)
         _assert_same_trace(batched[0].trace, one.trace)
     assert stats["cut"] >= 4 and stats["stopped"] >= 1 and stats["max_new"] >= 1, stats
+    assert stats["cut:learned"] >= 2, stats
 
 
 @pytest.mark.parametrize("variant", ["full", "causal", "dflash2"])
@@ -196,7 +201,7 @@ def test_simulate_many_equals_simulate_for_every_rule_and_any_rule_object():
             return {"rule": "greedy"}
 
     packed = pack_traces(traces, 29)
-    for rule in RULES + [Greedy()]:
+    for rule in RULES + [learned_rule(6, slope=0.05), Greedy()]:
         many = simulate_many(traces, rule, 29)
         one = [simulate(t, rule, 29) for t in traces]
         assert many.verified == [v for v, _ in one] and many.committed == [c for _, c in one], rule.describe()

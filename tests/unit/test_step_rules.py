@@ -10,11 +10,11 @@ import torch
 import pipeline.decoding.engine as engine_mod
 from pipeline.decoding.engine import Engine, greedy_reference
 from pipeline.policy.step_rules import ConfidenceThreshold, Full, RunningAcceptance, parse_rule
-from random_pair import EOS_ID, VOCAB, make_pair, prompt
+from random_pair import EOS_ID, VOCAB, learned_rule, make_pair, prompt
 
 B_MAX = 6
 RULES = [ConfidenceThreshold(0.9), ConfidenceThreshold(0.3), ConfidenceThreshold(1.0), RunningAcceptance(0.5, 0.0),
-         RunningAcceptance(0.3, 2.0)]
+         RunningAcceptance(0.3, 2.0), learned_rule(B_MAX), learned_rule(B_MAX, slope=0.05)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 3])
@@ -54,7 +54,8 @@ def test_sampling_with_full_rule_replays_plain_sampling_draw_for_draw():
     assert torch.equal(a.output_ids, b.output_ids) and a.committed == b.committed
 
 
-@pytest.mark.parametrize("rule", [ConfidenceThreshold(0.5), RunningAcceptance(0.5, 0.0)], ids=["threshold", "ema"])
+@pytest.mark.parametrize("rule", [ConfidenceThreshold(0.5), RunningAcceptance(0.5, 0.0), learned_rule(B_MAX, 0.05)],
+                         ids=["threshold", "ema", "learned"])
 def test_stop_token_mid_block_and_max_new_tokens_cut(rule):
     target, draft = make_pair(0, block_size=B_MAX)
     ids = prompt(0)
@@ -109,6 +110,8 @@ def test_sampling_with_a_cut_is_lossless_and_the_test_catches_a_lossy_sampler(mo
     exact = _exact_second_token(target, ids)
     rule = ConfidenceThreshold(1.0)  # always cut to one drafted token
     assert not _chi2_rejects(_second_token_counts(engine, state, rule, 2000), exact)
+    learned = learned_rule(B_MAX, slope=0.05)  # the learned rule, cutting where its model and costs say
+    assert not _chi2_rejects(_second_token_counts(engine, state, learned, 2000), exact)
 
     def always_accept(draft_tokens, target_probs, draft_probs, draft_indices=None):
         return draft_tokens.shape[1], engine_mod._sample_probs(target_probs[:, -1])[0]
@@ -141,24 +144,3 @@ def test_a_rule_needs_a_block_to_cut():
     engine = Engine(target, draft)
     with pytest.raises(ValueError, match="block_size >= 2"):
         engine.decode(engine.prefill(prompt(0)), block_size=1, max_new_tokens=4, step_rule=Full())
-
-
-def test_tune_chooses_the_least_modelled_time_per_token():
-    import pyarrow as pa
-
-    from pipeline.data.schemas import TUNE_SCHEMA as SCHEMA
-    from stages.tune import choose_rule
-
-    def row(pid, method, b, rule, seconds, tokens):
-        return {"prompt_id": pid, "source": "s", "method": method, "block_size": b, "step_rule": rule, "steps": 1,
-                "new_tokens": tokens, "verified": [1], "committed": [1], "modelled_seconds": seconds, "worker": "w"}
-
-    rows = [row("a", "b=8", 8, None, 1.0, 10), row("b", "b=8", 8, None, 3.0, 10),
-            row("a", "threshold:0.1@12", 12, "threshold:0.1", 0.5, 10), row("b", "threshold:0.1@12", 12,
-                                                                              "threshold:0.1", 3.3, 10),
-            row("a", "ema:0.5:2@12", 12, "ema:0.5:2", 0.9, 10), row("b", "ema:0.5:2@12", 12, "ema:0.5:2", 2.9, 10)]
-    rows[-1]["modelled_seconds"] = 3.0  # per 20 tokens: threshold 3.8 s, ema 3.9 s, b=8 4.0 s (ratio of sums)
-    choice = choose_rule(pa.Table.from_pylist(rows, schema=SCHEMA), 8)
-    assert (choice["rule"], choice["max_block_size"]) == ("threshold:0.1", 12)
-    assert choice["gain"] == pytest.approx(4.0 / 3.8 - 1)
-    assert [t["method"] for t in choice["table"]] == ["threshold:0.1@12", "ema:0.5:2@12", "b=8"]

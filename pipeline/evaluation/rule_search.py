@@ -1,0 +1,139 @@
+"""Tune's search for the per-step verify rule, offline on the label set's traces: nothing is decoded here.
+
+The label rows of the train split fit the acceptance model (pipeline.policy.acceptance) that the learned rule
+(pipeline.policy.step_rules.LearnedVerify) reads; every rule of the grid, the learned one included, is then
+simulated (pipeline.policy.simulate, exact at T = 0) on EVERY row of the val split, beside the fixed baseline b and
+the per-step oracle, and scored by modelled time under the policy's cost profile. The evaluation sets are never
+read.
+
+The fixed baseline's modelled seconds come from the label row's own decode at that b (``steps`` x cost(b) plus the
+first step's extra): the label set has no per-step lengths for a fixed b, so its last step (cut by max_new_tokens
+or a stop token) is counted at full cost, which overstates the baseline by at most one step's verify of b - 1
+tokens (a fraction of a percent at 128 tokens). Tune's decoded confirmation has no such approximation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from pipeline.io.storage import read_table
+from pipeline.policy.acceptance import fit_acceptance, reliability
+from pipeline.policy.blocksize import split_of
+from pipeline.policy.simulate import pack_traces, per_step_oracle, simulate_many
+from pipeline.policy.step_rules import LEARNED, LearnedVerify, parse_rule
+from pipeline.policy.trace import Trace
+
+LABEL_COLUMNS = ["prompt_id", "source", "prompt_tokens", "candidates", "steps", "trace_block_size", "trace_stopped",
+                 "trace_match", "trace_confidence"]
+ORACLE = "oracle-per-step"
+
+
+def family(rule: Optional[str]) -> Optional[str]:
+    """``threshold``, ``learned``, ``ema``, ``full``: the kind of a rule string (None for a fixed b)."""
+    return None if rule is None else str(rule).split(":")[0]
+
+
+@dataclass
+class TracedRow:
+    prompt_id: str
+    source: str
+    prompt_tokens: int
+    candidates: List[int]
+    steps: List[int]
+    trace: Trace
+
+
+def read_traced(shards: Sequence, val_fraction: float, calibration_fraction: float) -> Dict[str, List[TracedRow]]:
+    """The label rows with a trace, by split (``train`` holds the train and calibration splits: the acceptance model
+    is not the MLP, and every row outside val is fair to fit it on)."""
+    out: Dict[str, List[TracedRow]] = {"train": [], "val": []}
+    for path in shards:
+        for r in read_table(path, columns=LABEL_COLUMNS).to_pylist():
+            trace = Trace.from_row(r)
+            if trace is None:
+                continue
+            split = "val" if split_of(r["prompt_id"], val_fraction, calibration_fraction) == "val" else "train"
+            out[split].append(TracedRow(r["prompt_id"], r["source"], int(r["prompt_tokens"]), list(r["candidates"]),
+                                        list(r["steps"]), trace))
+    return out
+
+
+def fixed_seconds(row: TracedRow, b: int, profile) -> float:
+    i = row.candidates.index(b)
+    return row.steps[i] * profile.cost(b) + profile.first_step_seconds(b, row.prompt_tokens)
+
+
+def search(rows: Dict[str, List[TracedRow]], rules: Sequence[str], profile, baseline_b: int,
+           max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
+    """Fit, simulate every rule and the oracle on the val rows, choose; see the module docstring. The answer:
+    ``choice`` (step_rule.json's body), ``learned`` (the LearnedVerify, or None) and ``rows`` (one per val prompt x
+    method, TUNE_SCHEMA's columns)."""
+    val = rows["val"]
+    if not val:
+        raise ValueError("tune: the label set has no val-split row with a trace (train.val_fraction is 0, or the "
+                         "labels were made without traces: label schema < v3, or T > 0)")
+    if baseline_b not in val[0].candidates:
+        raise ValueError(f"tune: the baseline b={baseline_b} is not a labelled candidate {val[0].candidates}")
+    b_max = val[0].trace.block_size
+    learned, model_info, calib = None, None, None
+    if LEARNED in rules:
+        model = fit_acceptance([r.trace for r in rows["train"]])
+        learned = LearnedVerify.from_profile(model, profile, b_max)
+        model_info, calib = dict(model.info), reliability(model, [r.trace for r in val])
+    packed = pack_traces([r.trace for r in val], max_new_tokens)
+    ctx = [r.prompt_tokens for r in val]
+    out_rows: List[Dict[str, Any]] = []
+
+    def add(method, b, rule, verified, committed, seconds):
+        for r, v, c, s in zip(val, verified, committed, seconds):
+            out_rows.append({"prompt_id": r.prompt_id, "source": r.source, "method": method, "block_size": b,
+                             "step_rule": rule, "steps": len(c), "new_tokens": r.trace.new_tokens,
+                             "verified": v, "committed": c, "modelled_seconds": s, "worker": "simulated"})
+
+    base_s = [fixed_seconds(r, baseline_b, profile) for r in val]
+    add(f"b={baseline_b}", baseline_b, None, [None] * len(val), [[]] * len(val), base_s)
+    per: Dict[str, float] = {}
+    for rule in rules:
+        sim = simulate_many(packed, learned if rule == LEARNED else parse_rule(rule))
+        secs = [profile.decode_seconds(v, b_max, rule=True, context=n) for v, n in zip(sim.verified, ctx)]
+        add(f"{rule}@{b_max}", b_max, rule, sim.verified, sim.committed, secs)
+        per[rule] = float(np.sum(secs))
+    costs = [profile.step_seconds(b_max, k) for k in range(1, b_max)]  # what the learned rule trades against
+    oracle_v = [per_step_oracle(r.trace, costs) for r in val]
+    oracle_s = [profile.decode_seconds(v, b_max, rule=True, context=n) for v, n in zip(oracle_v, ctx)]
+    add(f"{ORACLE}@{b_max}", b_max, ORACLE, oracle_v, [_committed(r.trace, v) for r, v in zip(val, oracle_v)],
+        oracle_s)
+    base, oracle = float(np.sum(base_s)), float(np.sum(oracle_s))
+    tokens = sum(r.trace.new_tokens for r in val)
+
+    def gain(seconds: float) -> float:
+        return base / seconds - 1  # same tokens for every method (lossless): the ratio of time per token
+
+    o_gain = gain(oracle)
+    table = sorted([{"method": f"{rule}@{b_max}", "rule": rule, "family": family(rule), "max_block_size": b_max,
+                     "modelled_time_per_token": s / tokens, "gain": gain(s),
+                     "oracle_gain_captured": gain(s) / o_gain if o_gain > 0 else None, "prompts": len(val)}
+                    for rule, s in per.items()], key=lambda t: t["modelled_time_per_token"])
+    best = table[0]
+    families = {}
+    for t in table:  # sorted: the first of each family is its best
+        families.setdefault(t["family"], t)
+    choice = {"rule": best["rule"], "max_block_size": b_max, "gain": best["gain"], "baseline_b": baseline_b,
+              "chosen_on": "held-out (val split) label prompts, simulated from their traces", "prompts": len(val),
+              "families": families, "table": table,
+              "per_step_oracle": {"gain": o_gain, "modelled_time_per_token": oracle / tokens,
+                                  "baseline_modelled_time_per_token": base / tokens},
+              "acceptance_model": model_info, "reliability": calib, "fitted_on_prompts": len(rows["train"])}
+    return {"choice": choice, "learned": learned, "rows": out_rows}
+
+
+def _committed(trace: Trace, verified: Sequence[int]) -> List[int]:
+    out, i, end = [], 0, trace.new_tokens - 1
+    for k in verified:
+        c = min(min(trace.match[i], k) + 1, end - i)
+        out.append(c)
+        i += c
+    return out

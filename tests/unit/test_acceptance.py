@@ -1,0 +1,111 @@
+"""The learned acceptance model (pipeline/policy/acceptance.py), the per-step oracle (pipeline.policy.simulate.
+per_step_oracle) and tune's offline search (pipeline/evaluation/rule_search.py), on synthetic traces drawn from a
+known acceptance process: the fit recovers it, the reliability table catches a miscalibrated model, the oracle is
+the brute-force optimum and beats every rule, and the search picks the rule the sums say."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pipeline.evaluation.rule_search import TracedRow, search
+from pipeline.policy.acceptance import FEATURES, AcceptanceModel, fit_acceptance, reliability
+from pipeline.policy.cost import CostProfile
+from pipeline.policy.simulate import per_step_oracle, simulate
+from pipeline.policy.step_rules import ConfidenceThreshold, Full, LearnedVerify
+from pipeline.policy.trace import Trace
+
+B_MAX = 8
+
+
+def _true_hazard(conf):
+    return 1 / (1 + np.exp(-(0.5 + 3.0 * np.log(conf))))  # accepted slots follow the draft's confidence
+
+
+def _traces(n, seed, new=40):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        conf, match = [], []
+        for i in range(new - 1):
+            w = min(B_MAX, new - i) - 1
+            c = rng.beta(4, 1.5, size=w)
+            acc = rng.random(w) < _true_hazard(c)
+            conf.append(c.astype(np.float32).tolist())
+            match.append(int(np.argmin(acc)) if not acc.all() else w)
+        out.append(Trace(B_MAX, match, conf, False))
+    return out
+
+
+def _profile(verify_slope=0.002):
+    fit = {"from_block_size": 2, "draft": {"intercept": 0.004, "slope": 0.0002},
+           "verify": {"intercept": 0.006, "slope": verify_slope}}
+    seconds = {b: 0.004 + 0.0002 * b + 0.006 + verify_slope * b for b in range(2, 2 * B_MAX + 1)}
+    return CostProfile({1: 0.005, **seconds}, fit=fit)
+
+
+def test_the_fit_recovers_the_process_and_the_reliability_table_catches_a_bad_model():
+    model = fit_acceptance(_traces(200, 0))
+    assert model.features == FEATURES and model.block_size == B_MAX
+    held = _traces(200, 1)
+    good = reliability(model, held)
+    assert good["samples"] > 5000 and len(good["table"]) == 10
+    assert good["max_abs_gap"] < 0.08 and good["log_loss"] < good["base_rate_log_loss"]
+    # The same model shifted: every prediction too high. The table must show it.
+    bad = AcceptanceModel(model.intercept + 2.0, model.weights, model.means, model.scales, FEATURES, B_MAX)
+    assert reliability(bad, held)["max_abs_gap"] > 0.15
+    with pytest.raises(ValueError, match="no trace step"):
+        fit_acceptance([])
+    restored = AcceptanceModel.from_dict(model.to_dict())
+    assert restored.weights == model.weights and restored.intercept == model.intercept
+
+
+def test_the_per_step_oracle_is_the_brute_force_optimum_and_no_rule_beats_it():
+    costs = [1.0 + 0.2 * k for k in range(1, B_MAX)]
+    rules = [Full(), ConfidenceThreshold(0.3), LearnedVerify(fit_acceptance(_traces(20, 2)), tuple(costs))]
+    for t in _traces(6, 3, new=9):
+        best = min(_all_paths(t), key=lambda v: sum(costs[k - 1] for k in v))
+        oracle = per_step_oracle(t, costs)
+        assert sum(costs[k - 1] for k in oracle) == pytest.approx(sum(costs[k - 1] for k in best))
+        for rule in rules:
+            assert sum(costs[k - 1] for k in oracle) <= sum(costs[k - 1] for k in simulate(t, rule)[0]) + 1e-12
+
+
+def _all_paths(t, i=0):
+    end = t.new_tokens - 1
+    if i >= end:
+        yield []
+        return
+    for k in range(1, len(t.confidence[i]) + 1):
+        step = min(min(t.match[i], k) + 1, end - i)
+        for rest in _all_paths(t, i + step):
+            yield [k] + rest
+
+
+def test_the_search_chooses_by_modelled_time_and_reports_the_oracle():
+    profile = _profile()
+    traces = _traces(40, 4)
+    rows = [TracedRow(f"p{i}", "s", 10, [4, 5, 6], [12, 11, 10], t) for i, t in enumerate(traces)]
+    got = search({"train": rows[:30], "val": rows[30:]}, ["full", "threshold:0.2", "threshold:0.6", "learned"],
+                 profile, baseline_b=5)
+    choice = got["choice"]
+    val = [r.trace for r in rows[30:]]
+    secs = {}
+    for name, rule in (("full", Full()), ("threshold:0.2", ConfidenceThreshold(0.2)),
+                       ("threshold:0.6", ConfidenceThreshold(0.6)), ("learned", got["learned"])):
+        secs[name] = sum(profile.decode_seconds(simulate(t, rule)[0], B_MAX, rule=True, context=10) for t in val)
+    assert choice["rule"] == min(secs, key=secs.get)
+    base = sum(11 * profile.cost(5) for _ in val)
+    line = {t["rule"]: t for t in choice["table"]}
+    assert line["threshold:0.6"]["gain"] == pytest.approx(base / secs["threshold:0.6"] - 1)
+    assert choice["families"]["threshold"]["rule"] == min(("threshold:0.2", "threshold:0.6"), key=secs.get)
+    oracle = choice["per_step_oracle"]["gain"]
+    assert all(t["gain"] <= oracle + 1e-12 for t in choice["table"])
+    # The learned rule, on a cost profile where verifying costs something, trims and beats verifying everything.
+    assert secs["learned"] < secs["full"]
+    assert choice["reliability"]["samples"] > 0 and choice["fitted_on_prompts"] == 30
+    assert len(got["rows"]) == 10 * (1 + 4 + 1)
+    with pytest.raises(ValueError, match="baseline b=9"):
+        search({"train": rows[:30], "val": rows[30:]}, ["full"], profile, baseline_b=9)
+    with pytest.raises(ValueError, match="no val-split row"):
+        search({"train": rows, "val": []}, ["full"], profile, baseline_b=5)

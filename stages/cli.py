@@ -2,6 +2,7 @@
 
     blockpilot STAGE [-c FILE.yaml] [key=value ...]
     blockpilot validate DIR
+    blockpilot deploy OUTPUT_DIR [--cost-profile PATH]
 
 Config is merged as schema <- conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
 """
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check a label dataset (row counts, sha256, labels within candidates, finite "
                        "tau >= 1 and logits, unique ids) and print its summary. Exit status 1 on any violation.")
     v.add_argument("dir", help="the label folder (e.g. runs/default/labels)")
+    d = sub.add_parser("deploy", help="what to set in vLLM and SGLang for a run's trained policy and per-step rule",
+                       description=DEPLOY_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("dir", metavar="OUTPUT_DIR", help="the run folder (e.g. runs/default): reads train/policy/ and "
+                   "tune/step_rule.json")
+    d.add_argument("--cost-profile", metavar="PATH", help="the serving machine's cost_profile.json (`blockpilot "
+                   "profile` run there): choose the fixed b for that machine instead of the labelling one")
     from stages.submit import SUBMIT_DESCRIPTION, add_arguments
 
     s = sub.add_parser("submit", help="run a stage on a Ray cluster as a Ray job (uploads the checkout's tracked "
@@ -89,6 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         report = validate_dataset(args.dir)
         print(report.render())
         return 0 if report.ok else 1
+    if args.stage == "deploy":
+        return deploy_command(args.dir, args.cost_profile)
     if args.stage == "submit":
         from stages.submit import submit_command
 
@@ -105,6 +114,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(to_yaml(cfg))
         return 0
     return run_named_stage(args.stage, cfg)
+
+
+DEPLOY_DESCRIPTION = """\
+Print what to set in a serving engine for a finished run, from its trained artefacts (train/policy/policy.json and
+cost_profile.json, tune/step_rule.json, the train stage's config.yaml):
+  - the fixed b to deploy where an engine takes one block size: the train-chosen b (the policy's fallback), or with
+    --cost-profile the same choice under the serving machine's seconds per step;
+  - the exact vLLM (--speculative-config) and SGLang (--speculative-*) settings for it, with the draft's path;
+  - the nearest per-step setting each engine offers, and how the run's chosen rule relates to it;
+  - what the per-request policy needs from an engine, and where engines stand on it.
+The report (blockpilot report) holds a short form of the same. Exit 1 when the run has no trained policy.
+Example:
+  blockpilot deploy runs/default
+  blockpilot deploy /shared/runs/q8 --cost-profile h100/cost_profile.json"""
+
+
+def deploy_command(output_dir: str, cost_profile: Optional[str]) -> int:
+    from pipeline.evaluation.deploy import load_deploy, render
+
+    try:
+        print(render(load_deploy(output_dir, cost_profile)), end="")
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        print(f"blockpilot deploy: error: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_named_stage(name: str, cfg: PipelineConfig) -> int:

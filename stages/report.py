@@ -206,6 +206,16 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     return md
 
 
+def deploy_section(output_dir: Path) -> List[str]:
+    """What to set in vLLM / SGLang (pipeline/evaluation/deploy.py), short; `blockpilot deploy` prints it whole."""
+    from pipeline.evaluation.deploy import load_deploy, render
+
+    try:
+        return ["## Deploy", "", render(load_deploy(output_dir), short=True)]
+    except (FileNotFoundError, KeyError, ValueError) as err:  # the rest of the report still stands without it
+        return ["## Deploy", "", f"No deploy settings: {err}", ""]
+
+
 def headline(output_dir: Path) -> Dict[str, Any]:
     """What `blockpilot run` ends with: the table rows (pipeline.evaluation.table) and evaluate's whole headline
     (modelled and wall, per set, intervals, the rule and the policy apart), from eval/summary.json."""
@@ -240,6 +250,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     if is_complete(run_dir.eval):
         md += eval_section(run_dir.eval, out)
         done.append("eval")
+    if is_complete(run_dir.train):  # after the results it rests on
+        md += deploy_section(root)
+        done.append("deploy")
     if not done:
         raise FileNotFoundError(f"nothing to report in {root}: no complete labels, train or eval stage")
     write_text_atomic("\n".join(md) + "\n", out / "report.md")

@@ -19,6 +19,21 @@ def write_history(history: List[Dict[str, Any]], train_dir) -> None:
     write_jsonl_atomic(history, location(train_dir) / METRICS)
 
 
+# What an epoch line shows, in this order: (label, metric key, format). A person follows the loss and whether the
+# policy's choices beat the train-chosen fixed b on the val split; the rest stays in metrics.jsonl.
+EPOCH_FIELDS = (("loss", "train_loss", "{:.4f}"), ("val acc", "val_accuracy", "{:.1%}"),
+                ("tau policy", "val_tau_policy", "{:.3f}"), ("fixed b", "val_tau_best_fixed", "{:.3f}"),
+                ("oracle", "val_tau_oracle", "{:.3f}"), ("modelled gain", "val_speed_gain_policy", "{:+.2%}"),
+                ("oracle gain", "val_speed_gain_oracle", "{:+.2%}"))
+
+
+def epoch_metrics(m: Dict[str, Any]) -> str:
+    """One epoch's metrics as a short line in a fixed order; a metric the objective does not compute (no val rows,
+    no cost profile) is left out rather than shown empty."""
+    return "  ".join(f"{label} {fmt.format(m[key])}" for label, key, fmt in EPOCH_FIELDS
+                     if isinstance(m.get(key), (int, float)))
+
+
 class EpochLog:
     """On the driver, while the workers train: follows metrics.jsonl and logs one line every ``every`` epochs (about
     ten lines a run) and the last one. The driver shows the lines, since a worker's own prints reach the driver
@@ -56,8 +71,7 @@ class EpochLog:
         for m in history:
             e = m["epoch"]
             if e > self.shown and ((e + 1) % self.every == 0 or e + 1 == self.epochs):
-                shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
-                out.append(f"epoch {e + 1}/{self.epochs} {shown}")
+                out.append(f"epoch {e + 1}/{self.epochs}  {epoch_metrics(m)}")
                 self.shown = e
         return out
 

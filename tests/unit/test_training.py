@@ -19,7 +19,7 @@ from pipeline.training.data import LABEL_COLUMN, SplitData, in_split, to_arrays
 from pipeline.training.export import ExportInput, export_policy
 from pipeline.training.loop import fit, reports_at
 from pipeline.training.problem import load_problem, train_chosen_index
-from pipeline.training.progress import EpochLog, write_history
+from pipeline.training.progress import EpochLog, epoch_metrics, write_history
 from pipeline.training.summary import summary_lines, train_summary
 
 CANDS = [2, 4, 8]
@@ -140,6 +140,18 @@ def test_the_epoch_log_shows_every_tenth_epoch_and_the_last(tmp_path):
                                                          "16/25", "18/25", "20/25", "22/25", "24/25", "25/25"]
     assert log.lines() == []  # each once
     assert (tmp_path / METRICS).read_text().count("\n") == 25
+
+
+def test_an_epoch_line_shows_a_few_rounded_metrics_in_a_fixed_order(tmp_path):
+    m = {"epoch": 0, "val_speed_gain_oracle": 0.0642, "val_regret": 0.5, "val_tau_oracle": 3.60041,
+         "val_tau_best_fixed": 3.05, "val_top2_accuracy": 0.7, "val_tau_trained_b": 2.9, "val_accuracy": 0.41234,
+         "val_tau_policy": 3.1234567, "val_speed_gain_policy": 0.01234, "train_loss": 0.432112345}
+    write_history([m], tmp_path)
+    (line,) = EpochLog(tmp_path / METRICS, epochs=1, enabled=False).lines()
+    assert line == ("epoch 1/1  loss 0.4321  val acc 41.2%  tau policy 3.123  fixed b 3.050  oracle 3.600  "
+                    "modelled gain +1.23%  oracle gain +6.42%")
+    # Without val rows or a cost profile the line keeps its order and drops what was not computed.
+    assert epoch_metrics({"epoch": 3, "train_loss": 1.0, "val_accuracy": 0.5}) == "loss 1.0000  val acc 50.0%"
 
 
 def test_ridge_recovers_a_linear_target_and_the_fallback_keeps_the_fallback_b():

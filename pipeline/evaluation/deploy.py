@@ -1,0 +1,241 @@
+"""What to set in a serving engine, from a run folder's trained artefacts (``blockpilot deploy``, the report's
+deploy section). Ray-free; reads ``train/policy/`` (policy.json, cost_profile.json), ``tune/step_rule.json``, the
+train stage's resolved config and, given a serving machine's cost profile, the label set's train split.
+
+Every engine key written here was checked against the engine's own documentation or source (the comment beside
+it names where); a key that could not be confirmed is said so here and in the output, and is never emitted.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from pipeline import ASSETS
+from pipeline.io.layout import CONFIG, COST_PROFILE, POLICY_META, RunLayout
+from pipeline.io.storage import location
+from pipeline.policy.blocksize import SPEED_SCORE, train_chosen_block_size
+
+BUNDLED = "bundled:"
+
+# vLLM: `vllm serve TARGET --speculative-config JSON`.
+#   method "dflash", model, num_speculative_tokens: docs/features/speculative_decoding/dflash.md and
+#     vllm/config/speculative.py (SpeculativeConfig fields) in vllm-project/vllm.
+#   num_speculative_tokens = b - 1: the draft proposes the b - 1 tokens after the known one; z-lab/dflash README
+#     serves the block-16 drafts with 15 (vLLM's dflash.md shows 16 for a Domino b16 checkpoint, another drafter).
+#   revision: SpeculativeConfig.revision (the draft's revision).
+#   enable_adaptive_verification: docs/features/speculative_decoding/adaptive_verification.md (DFlash supported
+#     through the online acceptance estimator, vllm PR #52228); older SpeculativeConfig docstrings say dspark-only,
+#     so it needs a vLLM that has #52228.
+#   num_speculative_tokens_per_batch_size: docs/features/speculative_decoding/dynamic_speculative_decoding.md
+#     ([start_bs, end_bs, K] by concurrency; "tested with ... DFlash").
+#   adaptive_verification_ema_alpha: UNCONFIRMED as a documented key (only in vllm PR #47808's description, DSpark,
+#     default 0.8, and vllm-ascend code); never emitted.
+VLLM_METHOD = "dflash"
+# SGLang: `python -m sglang.launch_server --model-path TARGET ...`.
+#   --speculative-algorithm DFLASH, --speculative-draft-model-path, --speculative-num-draft-tokens (the DFlash verify
+#     block size, b), --speculative-dflash-draft-window-size (the draft's KV sliding window, >= the block size):
+#     docs.sglang.io docs/advanced_features/speculative_decoding.md, "DFLASH Decoding"; z-lab DFlash model cards
+#     ("Use --speculative-num-draft-tokens to set the block size").
+#   --speculative-draft-model-revision: the same page, core parameters.
+#   --speculative-adaptive: docs/advanced_features/adaptive_speculative_decoding.md, EAGLE with topk 1 only.
+#   DFLASH_CONFIDENCE: UNCONFIRMED (sgl-project/sglang PR #36136, open: confidence-ranked verify prefixes for
+#     DFlash2); not in the released docs, never emitted.
+SGLANG_ALGORITHM = "DFLASH"
+
+
+@dataclass
+class Deploy:
+    """What the run's artefacts say to deploy."""
+
+    run_dir: str
+    block_size: int  # the fixed b to deploy
+    chosen_on: str  # how that b was chosen, in words
+    train_b: int  # the train stage's own choice (equal to block_size unless a serving profile changed it)
+    target: str
+    draft: str  # as the engines take it: a hub id or a local folder
+    draft_note: Optional[str]  # e.g. a bundled draft is a local folder
+    draft_revision: Optional[str]
+    trust_remote_code: bool
+    candidates: List[int]
+    policy_answers_fallback_only: bool  # a speed policy without a calibrated margin
+    step_rule: Optional[Dict[str, Any]]  # tune/step_rule.json, or None without a tune stage
+
+    @property
+    def rule(self) -> Optional[str]:
+        return None if self.step_rule is None else str(self.step_rule["rule"])
+
+    @property
+    def b_max(self) -> Optional[int]:
+        return None if self.step_rule is None else int(self.step_rule["max_block_size"])
+
+
+def _model_path(name: str):
+    """(what an engine takes, a note): a bundled name is a folder shipped inside the pipeline package."""
+    if name.startswith(BUNDLED):
+        path = ASSETS / name[len(BUNDLED):]
+        return str(path), (f"`{name}` is the bundled tiny test pair's draft, a local folder ({path}); an engine "
+                           "loads it by path, and whether it supports its architecture is not checked here")
+    return name, None
+
+
+def rechoose_block_size(run: RunLayout, info: Dict[str, Any], train_cfg, profile_path) -> int:
+    """The train-chosen b again, under another machine's cost profile: the same rule train applies (least mean
+    modelled time per token on the label set's train split, pipeline.training.problem), with that machine's
+    seconds per step."""
+    from pipeline.io.shards import list_shards
+    from pipeline.policy.cost import CostProfile
+    from pipeline.training.data import read_splits
+    from pipeline.training.problem import train_chosen_index
+
+    shards = list_shards(run.labels)
+    if not shards:
+        raise FileNotFoundError(f"{run.labels} holds no label shards: choosing b under another cost profile needs "
+                                "the label set's tau")
+    cands = [int(b) for b in info["candidates"]]
+    profile = CostProfile.load(profile_path)
+    calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
+    splits = read_splits(shards, train_cfg.val_fraction, cands, calib)
+    return cands[train_chosen_index(splits.tau[splits.train], [profile.cost(b) for b in cands])]
+
+
+def load_deploy(output_dir, cost_profile=None) -> Deploy:
+    """The deployment the run folder's artefacts give; ``cost_profile`` (a serving machine's cost_profile.json,
+    from `blockpilot profile` there) re-chooses the fixed b for that machine."""
+    from omegaconf import OmegaConf
+
+    run = RunLayout(location(output_dir))
+    meta = run.policy / POLICY_META
+    if not meta.is_file():
+        raise FileNotFoundError(f"{meta} is missing: deploy reads the trained policy (run `blockpilot train`)")
+    info = json.loads(meta.read_text())
+    cfg = OmegaConf.create((run.train / CONFIG).read_text())
+    train_b = train_chosen_block_size(info)
+    if cost_profile is None:
+        b = train_b
+        chosen_on = ("the label set's train split, by modelled time per token under the labelling machine's cost "
+                     f"profile ({run.policy / COST_PROFILE})" if "cost_profile" in info else
+                     "the label set's train split, by mean tau (no cost profile)")
+    else:
+        b = rechoose_block_size(run, info, cfg.train, cost_profile)
+        chosen_on = (f"the label set's train split, by modelled time per token under the serving machine's cost "
+                     f"profile ({cost_profile}); under the labelling machine's, train chose b={train_b}")
+    draft, note = _model_path(str(cfg.model.draft))
+    target, _ = _model_path(str(cfg.model.target))
+    rule_path = run.step_rule
+    return Deploy(
+        run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
+        draft_note=note, draft_revision=cfg.model.draft_revision, trust_remote_code=bool(cfg.model.trust_remote_code),
+        candidates=[int(c) for c in info["candidates"]],
+        policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
+        step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None)
+
+
+# ---- the engines' settings ---------------------------------------------------------------------------------------
+
+def vllm_speculative_config(d: Deploy, block_size: Optional[int] = None, adaptive: bool = False) -> Dict[str, Any]:
+    """vLLM's --speculative-config for a fixed b (keys: see the module's comments)."""
+    b = d.block_size if block_size is None else block_size
+    spec: Dict[str, Any] = {"method": VLLM_METHOD, "model": d.draft, "num_speculative_tokens": b - 1}
+    if d.draft_revision:
+        spec["revision"] = d.draft_revision
+    if adaptive:
+        spec["enable_adaptive_verification"] = True
+    return spec
+
+
+def sglang_args(d: Deploy, block_size: Optional[int] = None) -> List[str]:
+    """SGLang launch_server's speculative arguments for a fixed b (keys: see the module's comments)."""
+    b = d.block_size if block_size is None else block_size
+    args = ["--speculative-algorithm", SGLANG_ALGORITHM, "--speculative-draft-model-path", d.draft,
+            "--speculative-num-draft-tokens", str(b)]
+    if d.draft_revision:
+        args += ["--speculative-draft-model-revision", d.draft_revision]
+    return args
+
+
+def _shell(words: List[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)  # a path with a space or a quote still pastes as one word
+
+
+def vllm_command(d: Deploy, **kw) -> str:
+    remote = ["--trust-remote-code"] if d.trust_remote_code else []
+    return _shell(["vllm", "serve", d.target, *remote, "--speculative-config",
+                   json.dumps(vllm_speculative_config(d, **kw))])
+
+
+def sglang_command(d: Deploy, **kw) -> str:
+    remote = ["--trust-remote-code"] if d.trust_remote_code else []
+    return _shell(["python", "-m", "sglang.launch_server", "--model-path", d.target, *remote, *sglang_args(d, **kw)])
+
+
+# ---- what it says ------------------------------------------------------------------------------------------------
+
+def per_step_lines(d: Deploy) -> List[str]:
+    """The nearest per-step setting each engine offers, and how tune's rule relates to it. Any rule form is taken
+    (full, threshold:T, ema:..., a learned:... form or one added later): what is not recognised is named as is."""
+    if d.step_rule is None:
+        return ["No tune stage in this run folder: no per-step rule was chosen."]
+    rule, bm, kind = d.rule, d.b_max, d.rule.split(":", 1)[0]
+    gain = d.step_rule.get("gain")
+    head = (f"Tune chose `{rule}` at b_max={bm}" + (f" (modelled {gain:+.2%} over b={d.step_rule.get('baseline_b')} "
+            "on held-out label prompts)" if isinstance(gain, (int, float)) else "") + ".")
+    if kind == "full":
+        return [head, f"It verifies every drafted token: no per-step setting is needed; the fixed settings above at "
+                f"b={bm} are the rule (`num_speculative_tokens` {bm - 1} / `--speculative-num-draft-tokens` {bm})."]
+    relation = {
+        "threshold": "ours verifies the longest drafted prefix whose cumulative draft top-1 probability stays >= T; "
+                     "vLLM ranks slots by the same kind of running product (of its own acceptance estimates from the "
+                     "draft's logits) but cuts at the budget its startup-profiled cost model picks, so T is not "
+                     "settable and its cut follows load",
+        "ema": "ours verifies ceil(EMA of accepted + slack) tokens per request; vLLM's cut comes from per-position "
+               "acceptance estimates (its EMA smoothing key, adaptive_verification_ema_alpha, is unconfirmed in its "
+               "docs) under a cost-model budget; SGLang's EMA-driven --speculative-adaptive is EAGLE-only",
+    }.get(kind, f"`{rule}` has no engine counterpart; vLLM's adaptive verification is the nearest (it also verifies "
+                "a per-request prefix of the block chosen from the draft's own numbers)")
+    adaptive = shlex.quote(json.dumps(vllm_speculative_config(d, bm, adaptive=True)))
+    return [head,
+            f"vLLM, nearest: `--speculative-config {adaptive}` "
+            f"(adaptive verification: a per-request prefix of the b_max block, each step). Relation: {relation}.",
+            f"SGLang: no per-step verify control is documented for {SGLANG_ALGORITHM} (the nearest, "
+            "`--speculative-algorithm DFLASH_CONFIDENCE` of sglang PR #36136, is unmerged and unconfirmed); deploy "
+            f"the fixed b there. `--speculative-dflash-draft-window-size N` (N >= the block size) bounds the draft's "
+            "context for long prompts; it does not change what is verified."]
+
+
+def per_request_lines(d: Deploy) -> List[str]:
+    lines = [f"The per-request policy runs once after prefill on the target's last-position logits (its folded form: "
+             f"the final hidden state) and answers a b among {d.candidates}. An engine must give it that prefill "
+             "output and then take a block size per request for that request's decode.",
+             "vLLM: `num_speculative_tokens` is one per server (`num_speculative_tokens_per_batch_size` varies it by "
+             "concurrency, not by request); vLLM issue #52258 asks for per-request speculation control (cited from "
+             "the issue; its thread was not found in our search index, its state is unconfirmed).",
+             "SGLang: the speculative settings are server arguments; no per-request block size is documented.",
+             "Until then the policy runs in this pipeline's engine (pipeline.decoding.adaptive), or in front of "
+             "servers launched at different b, routing each request by its answer."]
+    if d.policy_answers_fallback_only:
+        lines.append(f"This run's policy has no calibrated margin: it answers b={d.train_b} for every request, so the "
+                     "fixed deployment gives up nothing of it.")
+    return lines
+
+
+def render(d: Deploy, short: bool = False) -> str:
+    """Markdown for `blockpilot deploy` (whole) and the report (``short``: the fixed b, both engines, one line
+    each on the per-step rule and the policy)."""
+    md = [f"Fixed b to deploy: **{d.block_size}**, chosen on {d.chosen_on}.", ""]
+    if d.draft_note:
+        md += [f"Note: {d.draft_note}.", ""]
+    md += ["vLLM:", "", "```bash", vllm_command(d), "```", "", "SGLang:", "", "```bash", sglang_command(d), "```", ""]
+    step, req = per_step_lines(d), per_request_lines(d)
+    if short:
+        md += [f"Per-step rule: {step[0]} Per-request policy: no engine takes a block size per request yet "
+               f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
+        return "\n".join(md)
+    md += ["Per-step verify rule:", ""] + [f"- {x}" for x in step] + [""]
+    md += ["Per-request block size:", ""] + [f"- {x}" for x in req] + [""]
+    md += ["Keys as each engine documents them (sources in pipeline/evaluation/deploy.py); "
+           "`adaptive_verification_ema_alpha` (vLLM) and `DFLASH_CONFIDENCE` (SGLang) could not be confirmed in "
+           "their docs and are not emitted.", ""]
+    return "\n".join(md)

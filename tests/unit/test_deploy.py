@@ -1,0 +1,163 @@
+"""blockpilot deploy (pipeline/evaluation/deploy.py): the serving settings a run folder's trained artefacts give.
+
+The run folder is made by the real writers (label shards, train's problem and export, the resolved config), no
+Ray; the step rule is tune's file format written directly (its chooser lives in the Ray stage). The snippets'
+keys are checked against the names each engine documents, recorded below with where they were read.
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline import ASSETS
+from pipeline.evaluation import deploy
+from pipeline.io.layout import COST_PROFILE, RunLayout
+from pipeline.io.shards import encode_metadata, shard_name, write_json_atomic, write_parquet_atomic
+from pipeline.policy.blocksize import BlockSizeMLP, split_of
+from pipeline.policy.cost import CostProfile
+from pipeline.runtime.config import load_config, write_resolved
+from pipeline.training.data import LABEL_COLUMN
+from pipeline.training.export import ExportInput, export_policy
+from pipeline.training.problem import load_problem
+from stages.cli import main
+
+# vLLM --speculative-config keys, as vllm-project/vllm documents them: vllm/config/speculative.py (SpeculativeConfig:
+# method, model, num_speculative_tokens, revision, enable_adaptive_verification,
+# num_speculative_tokens_per_batch_size), docs/features/speculative_decoding/dflash.md (method "dflash"),
+# adaptive_verification.md (enable_adaptive_verification with DFlash), dynamic_speculative_decoding.md.
+VLLM_KEYS = {"method", "model", "num_speculative_tokens", "revision", "enable_adaptive_verification",
+             "num_speculative_tokens_per_batch_size"}
+VLLM_DFLASH_METHOD = "dflash"  # SpeculativeConfig's DFlashModelTypes = Literal["dflash"]
+# SGLang launch_server flags: docs.sglang.io docs/advanced_features/speculative_decoding.md ("DFLASH Decoding",
+# "Full Parameter Reference"), with the algorithm's name DFLASH.
+SGLANG_FLAGS = {"--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-draft-tokens",
+                "--speculative-dflash-block-size", "--speculative-dflash-draft-window-size",
+                "--speculative-draft-model-revision", "--model-path", "--trust-remote-code"}
+SGLANG_DFLASH_ALGORITHM = "DFLASH"
+# Named by the issue, not confirmed in either engine's docs: never emitted.
+UNCONFIRMED = ("adaptive_verification_ema_alpha", "DFLASH_CONFIDENCE")
+
+CANDS, V = [6, 8, 10], 5
+LABELLING = {6: 1.0, 8: 2.0, 10: 4.0}  # tau ~ (2, 3, 3.5): b=6 is fastest here
+SERVING = {6: 1.0, 8: 1.0, 10: 1.0}  # a machine where the wider verify is free: b=10 is
+
+
+def _run_folder(root, rule="threshold:0.05", objective="speed"):
+    """labels/ (two shards and the labelling profile), train/ (the exported policy and its resolved config) and
+    tune/step_rule.json, as the stages write them."""
+    rng = np.random.default_rng(0)
+    run = RunLayout(root)
+    run.labels.mkdir(parents=True)
+    meta = encode_metadata({"candidates": CANDS, "vocab_size": V, "trained_block_size": 8})
+    for i, rows in enumerate(np.array_split(np.arange(80), 2)):
+        tau = np.array([2.0, 3.0, 3.5]) + rng.uniform(-0.2, 0.2, (len(rows), 3))
+        table = pa.table({"prompt_id": [f"p{r}" for r in rows], "logits": rng.normal(0, 1, (len(rows), V)).tolist(),
+                          "tau": tau.tolist(), LABEL_COLUMN: [CANDS[j] for j in tau.argmax(axis=1)]})
+        write_parquet_atomic(table.replace_schema_metadata(meta), run.labels / shard_name(i))
+    CostProfile(dict(LABELLING)).save(run.labels / COST_PROFILE)
+    cfg = load_config([f"output_dir={root}", f"train.objective={objective}", "train.val_fraction=0.25",
+                       "train.calibration_fraction=0.2", "train.hidden=8", "train.n_layers=2", "train.dropout=0.0"])
+    write_resolved(cfg, run.train)
+    problem = load_problem(cfg.train, run.labels)
+    model = BlockSizeMLP(V, len(CANDS), hidden=8, n_layers=2, dropout=0.0)
+    history = [{"epoch": 0, "train_loss": 1.0}]
+    export_policy(ExportInput(problem, cfg.train, {"model": model.state_dict(), "epoch": 0}, history, "sha"),
+                  run.policy)
+    run.tune.mkdir()
+    write_json_atomic({"rule": rule, "max_block_size": 12, "gain": 0.0308, "baseline_b": 6,
+                       "chosen_on": "held-out (val split) label prompts", "prompts": 8, "table": []}, run.step_rule)
+    return run
+
+
+def _fastest_on_train(run, costs):
+    """The least mean cost / tau over the train split's rows, computed here from the shards."""
+    t = pa.concat_tables([pq.read_table(p) for p in sorted(run.labels.glob("part-*.parquet"))])
+    train = [split_of(i, 0.25, 0.2) == "train" for i in t.column("prompt_id").to_pylist()]
+    tau = np.array(t.column("tau").to_pylist())[train]
+    return CANDS[int(np.argmin([(costs[b] / tau[:, j]).mean() for j, b in enumerate(CANDS)]))]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    torch.manual_seed(0)
+    return _run_folder(tmp_path_factory.mktemp("deploy") / "run")
+
+
+def test_the_snippets_use_only_the_engines_documented_keys_with_this_runs_values(run):
+    d = deploy.load_deploy(run.root)
+    assert d.block_size == d.train_b == _fastest_on_train(run, LABELLING) == 6
+    spec = deploy.vllm_speculative_config(d)
+    assert set(spec) <= VLLM_KEYS and spec["method"] == VLLM_DFLASH_METHOD
+    assert spec["num_speculative_tokens"] == 5  # a block of b = 6: the known token and 5 drafted
+    args = deploy.sglang_args(d)
+    assert {a for a in args if a.startswith("--")} <= SGLANG_FLAGS
+    assert args[args.index("--speculative-algorithm") + 1] == SGLANG_DFLASH_ALGORITHM
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "6"
+    # The default config's draft is bundled: a folder inside the package, given to both engines by path.
+    assert spec["model"] == args[args.index("--speculative-draft-model-path") + 1] == str(ASSETS / "tiny-draft")
+    assert "local folder" in d.draft_note
+    adaptive = deploy.vllm_speculative_config(d, d.b_max, adaptive=True)
+    assert set(adaptive) <= VLLM_KEYS and adaptive["enable_adaptive_verification"] is True
+    assert adaptive["num_speculative_tokens"] == 11
+    # What is printed is the same: the JSON after --speculative-config, the flags after launch_server.
+    text = deploy.render(d)
+    vllm_line = next(x for x in text.splitlines() if x.startswith("vllm serve "))
+    words = shlex.split(vllm_line)
+    assert json.loads(words[words.index("--speculative-config") + 1]) == spec
+    sglang_line = next(x for x in text.splitlines() if x.startswith("python -m sglang.launch_server"))
+    words = shlex.split(sglang_line)
+    assert {w for w in words if w.startswith("--")} <= SGLANG_FLAGS and words[-len(args):] == args
+    emitted = {*spec, *adaptive, *args}
+    assert not any(u in emitted for u in UNCONFIRMED) and all(u in text for u in UNCONFIRMED)  # said, never set
+
+
+def test_a_serving_machines_cost_profile_rechooses_the_fixed_b(run, tmp_path):
+    profile = tmp_path / "serving" / COST_PROFILE
+    profile.parent.mkdir()
+    CostProfile(dict(SERVING)).save(profile)
+    d = deploy.load_deploy(run.root, cost_profile=str(profile))
+    assert d.block_size == _fastest_on_train(run, SERVING) == 10 and d.train_b == 6
+    assert str(profile) in d.chosen_on and "train chose b=6" in d.chosen_on
+    assert deploy.vllm_speculative_config(d)["num_speculative_tokens"] == 9
+    assert deploy.sglang_args(d)[-1] == "10"
+
+
+@pytest.mark.parametrize("rule, says", [
+    ("full", "no per-step setting is needed"),
+    ("threshold:0.05", "cumulative draft top-1 probability stays >= T"),
+    ("ema:0.5:1", "EAGLE-only"),
+    ("learned:w=3f2a", "`learned:w=3f2a` has no engine counterpart"),  # a form this module does not know
+])
+def test_every_step_rule_form_gets_the_nearest_engine_setting(run, rule, says):
+    d = deploy.load_deploy(run.root)
+    d.step_rule = {**d.step_rule, "rule": rule}
+    lines = deploy.per_step_lines(d)
+    assert f"`{rule}` at b_max=12" in lines[0] and any(says in x for x in lines)
+    if rule != "full":
+        assert any('"enable_adaptive_verification": true' in x for x in lines)
+
+
+def test_the_cli_prints_it_and_the_report_has_a_short_form(run, capsys, tmp_path):
+    from stages.report import deploy_section  # the report stage's own section, as report.md holds it
+
+    assert main(["deploy", str(run.root)]) == 0
+    out = capsys.readouterr().out
+    d = deploy.load_deploy(run.root)
+    assert deploy.vllm_command(d) in out and deploy.sglang_command(d) in out
+    assert "#52258" in out and "Per-request block size" in out
+    assert "no calibrated margin" in out  # this policy answers its fallback everywhere: said so
+    section = "\n".join(deploy_section(run.root))
+    assert section.startswith("## Deploy") and deploy.vllm_command(d) in section
+    assert "#52258" not in section and len(section.splitlines()) < 20
+    assert main(["deploy", str(tmp_path / "nothing")]) == 1
+    assert "policy.json is missing" in capsys.readouterr().err
+    help_text = subprocess.run([sys.executable, "-m", "stages.cli", "deploy", "--help"], capture_output=True,
+                               text=True, check=True).stdout
+    assert "--cost-profile" in help_text and "vLLM" in help_text and "SGLang" in help_text

@@ -2,9 +2,10 @@
 
 A stage (:class:`pipeline.executor.stage.ShardStage`) declares its fingerprint, plan, setup, ``process_shard`` and
 resources; :func:`run_stage` owns the rest, the same way for every stage: required inputs, the writable check,
-fingerprint and drift refusal (``force``), skip-if-complete, stale temp files, the to-do list, the executor and its
-retries, the atomic reject + shard writes, one manifest format, one rejects layout, ``summary.json``, the dataset card
-and ``_SUCCESS``. Stages that are not shard-shaped (train, report) use
+skip-if-complete, the folder's lease (one writer per folder, :mod:`pipeline.executor.lease`), fingerprint and drift
+refusal (``force``), stale temp files, the to-do list (a kept shard must match the sha256 recorded when it was
+written), the executor and its retries, the atomic reject + checksum + shard writes, one manifest format, one rejects
+layout, ``summary.json``, the dataset card and ``_SUCCESS``. Stages that are not shard-shaped (train, report) use
 :class:`pipeline.executor.folder.StageFolder` for the same bookkeeping.
 
 Ray-free: the Ray actor pool is an executor in ``stages/ray_executor.py``;
@@ -13,18 +14,20 @@ Ray-free: the Ray actor pool is an executor in ``stages/ray_executor.py``;
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Dict, List, Optional
 
 from pipeline import __version__
-from pipeline.executor.card import layout_doc
+from pipeline.executor.card import front_matter, layout_doc
 from pipeline.executor.folder import StageFolder, require_complete
 from pipeline.executor.local import Execution, LocalExecutor
 from pipeline.executor.manifest import write_manifest
 from pipeline.executor.progress import Progress
 from pipeline.executor.stage import Plan, ShardStage, ShardTask
-from pipeline.io.layout import INPUT_REJECTS, REJECTS, REJECTS_DIR
-from pipeline.io.shards import fingerprint_sha256, list_shards, output_shard_valid, read_jsonl, write_jsonl_atomic
+from pipeline.io.layout import CHECKSUMS_DIR, INPUT_REJECTS, MANIFEST, REJECTS, REJECTS_DIR
+from pipeline.io.shards import (fingerprint_sha256, list_shards, output_shard_problem, read_checksum, read_jsonl,
+                                write_jsonl_atomic)
 from pipeline.runtime.log import get as log
 
 
@@ -43,23 +46,37 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     if previous is not None:
         return folder.skipped(previous, t0)
     stage.check()
-    folder.bind(fp, stage.cfg.force)
-    config_sha = folder.start(stage.cfg)
+    try:
+        folder.bind(fp, stage.cfg.force)  # takes the folder's lease first: one writer per folder
+        config_sha = folder.start(stage.cfg)
+        plan = stage.plan()
+        todo = _place(stage, plan, {"stage": stage.name, "fingerprint_sha256": fingerprint_sha256(fp),
+                                    "config_sha256": config_sha, "package_version": __version__})
+        execution = _execute(stage, todo, executor)
+        folder.check_lease()  # another run took the folder over meanwhile: publish nothing over its work
+        manifest = write_manifest(stage, plan.tasks, fp, execution.workers)
+        if execution.failures:
+            names = [f.split(":", 1)[0] for f in execution.failures]
+            log(stage.name).error(f"{len(names)} shard(s) failed: {names}; rerun `blockpilot {stage.name}` to "
+                                  "retry them")
+            raise RuntimeError(f"{stage.name}: {len(names)} shard(s) failed after retries: "
+                               + "; ".join(execution.failures))
+        if manifest["rows"] == 0 and manifest["rejects"]:
+            first = read_jsonl(stage.folder / REJECTS)[0].get("detail")
+            raise RuntimeError(f"{stage.name}: every row failed ({manifest['rejects']} rejects; first: {first})")
+        return _complete(stage, folder, manifest, execution, t0)
+    finally:
+        folder.release()
 
-    plan = stage.plan()
-    todo = _place(stage, plan, {"stage": stage.name, "fingerprint_sha256": fingerprint_sha256(fp),
-                                "config_sha256": config_sha, "package_version": __version__})
-    execution = _execute(stage, todo, executor)
-    manifest = write_manifest(stage, plan.tasks, fp, execution.workers)
-    if execution.failures:
-        names = [f.split(":", 1)[0] for f in execution.failures]
-        log(stage.name).error(f"{len(names)} shard(s) failed: {names}; rerun `blockpilot {stage.name}` to retry them")
-        raise RuntimeError(f"{stage.name}: {len(names)} shard(s) failed after retries: "
-                           + "; ".join(execution.failures))
-    if manifest["rows"] == 0 and manifest["rejects"]:
-        first = read_jsonl(stage.folder / REJECTS)[0].get("detail")
-        raise RuntimeError(f"{stage.name}: every row failed ({manifest['rejects']} rejects; first: {first})")
-    return _complete(stage, folder, manifest, execution, t0)
+
+def _recorded_sha256(folder) -> Dict[str, str]:
+    """file -> sha256 from the folder's manifest, if any: the fallback proof for shards written before checksum
+    sidecars existed."""
+    try:
+        return {f["file"]: f["sha256"] for f in json.loads((folder / MANIFEST).read_text())["files"]
+                if f.get("sha256")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTask]:
@@ -67,19 +84,33 @@ def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTa
     plan no longer has, and return the tasks whose output is not done yet (the to-do list)."""
     rejects_dir = stage.folder / REJECTS_DIR
     rejects_dir.mkdir(parents=True, exist_ok=True)
+    checksums = stage.folder / CHECKSUMS_DIR
+    checksums.mkdir(parents=True, exist_ok=True)
     if plan.rejects or (rejects_dir / INPUT_REJECTS).exists():  # only stages that reject before sharding have one
         write_jsonl_atomic(plan.rejects, rejects_dir / INPUT_REJECTS)
     for t in plan.tasks:
+        stem = t.name.rsplit(".", 1)[0]
         t.output = str(stage.folder / t.name)
-        t.rejects = str(rejects_dir / (t.name.rsplit(".", 1)[0] + ".jsonl"))
+        t.rejects = str(rejects_dir / (stem + ".jsonl"))
+        t.checksum = str(checksums / (stem + ".json"))
         t.metadata = {**t.metadata, **stamp}
     planned = {t.name for t in plan.tasks}
     for stale in list_shards(stage.folder):  # from a run with more shards (force with another shard size)
         if stale.name not in planned:
             stale.unlink()
-            (rejects_dir / (stale.name.rsplit(".", 1)[0] + ".jsonl")).unlink(missing_ok=True)
-    todo = [t for t in plan.tasks if not output_shard_valid(
-        t.output, t.rows, t.rejects, stamp["fingerprint_sha256"], stage.rows_per_input)]
+            stem = stale.name.rsplit(".", 1)[0]
+            (rejects_dir / (stem + ".jsonl")).unlink(missing_ok=True)
+            (checksums / (stem + ".json")).unlink(missing_ok=True)
+    # A kept shard must prove its bytes: the sha256 of its sidecar (written with it), else of an earlier manifest.
+    recorded = _recorded_sha256(stage.folder)
+    todo = []
+    for t in plan.tasks:
+        why = output_shard_problem(t.output, t.rows, t.rejects, stamp["fingerprint_sha256"], stage.rows_per_input,
+                                   read_checksum(t.checksum) or recorded.get(t.name))
+        if why:
+            todo.append(t)
+            if why != "missing":
+                log(stage.name).warning(f"{t.name}: redoing it: {why}")
     described = f"{stage.describe()}: " if stage.describe() else ""
     log(stage.name).info(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
                          f"{stage.unit}) to do")
@@ -111,7 +142,9 @@ def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], 
     summary.update(stage.finalize(manifest))
     summary["wall_seconds"] = round(time.monotonic() - t0, 2)
     card = stage.card(manifest)
-    folder.complete(summary, None if card is None else card.rstrip("\n") + "\n\n" + layout_doc())
+    # The front matter carries the folder's content hash, so that `datasets` caches each folder's rows apart.
+    folder.complete(summary, None if card is None else
+                    front_matter(manifest) + card.rstrip("\n") + "\n\n" + layout_doc())
     reasons = ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) or "none"
     log(stage.name).info(f"done: {summary['rows']} rows in {summary['shards']} shard(s); {summary['rejects']} "
                          f"rejects ({reasons}); {summary['wall_seconds']} s -> {stage.folder}")

@@ -9,15 +9,15 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
-from pipeline.executor.card import FRONT_MATTER
-from pipeline.io.layout import CARD, FINGERPRINT, MANIFEST, REJECTS, REJECTS_DIR, SUCCESS, SUMMARY
+from pipeline.executor.lease import Lease
+from pipeline.io.layout import CARD, CHECKSUMS_DIR, FINGERPRINT, MANIFEST, REJECTS, REJECTS_DIR, SUCCESS, SUMMARY
 from pipeline.io.shards import (
     check_fingerprint,
     fingerprint_sha256,
     is_complete,
     list_shards,
     normalise,
-    shard_intact,
+    shard_problem,
     write_json_atomic,
     write_text_atomic,
 )
@@ -35,6 +35,22 @@ class StageFolder:
         self.path = location(path)
         self.stage = stage
         self.extra_outputs = tuple(extra_outputs)
+        self.lease: Optional[Lease] = None
+
+    def acquire(self) -> None:
+        """Take the folder's lease (once): every change to the folder comes after this, so a second run refuses
+        before it touches anything, a live writer's temp files included."""
+        if self.lease is None:
+            self.lease = Lease(self.path, self.stage).acquire()
+
+    def check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def ensure_writable(self) -> None:
         """Fail before any work when the folder cannot be created or written."""
@@ -51,7 +67,8 @@ class StageFolder:
                 or any((self.path / p).exists() for p in self.extra_outputs))
 
     def previous_summary(self, fingerprint: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """The summary of a complete run with this fingerprint whose shards are all still intact, else None."""
+        """The summary of a complete run with this fingerprint whose shards are all still intact (footer, rows and
+        the manifest's sha256: a damaged data page has a good footer), else None."""
         if fingerprint is None or not is_complete(self.path):
             return None
         try:
@@ -62,7 +79,8 @@ class StageFolder:
             if manifest_path.exists():
                 manifest = json.loads(manifest_path.read_text())
                 sha = fingerprint_sha256(fingerprint)
-                if not all(shard_intact(self.path / f["file"], f["rows"], sha) for f in manifest["files"]):
+                if any(shard_problem(self.path / f["file"], f["rows"], sha, f.get("sha256"))
+                       for f in manifest["files"]):
                     return None
         except Exception:  # noqa: BLE001 - anything unreadable means: not complete, redo what is needed
             return None
@@ -76,6 +94,7 @@ class StageFolder:
 
     def bind(self, fingerprint: Optional[Dict[str, Any]], force: bool) -> None:
         """Record the fingerprint; refuse output of another config unless ``force`` (which discards it)."""
+        self.acquire()
         if fingerprint is None:
             return
         if check_fingerprint(self.path, fingerprint, force, self.has_output()):
@@ -86,6 +105,7 @@ class StageFolder:
         for p in list_shards(self.path):
             p.unlink()
         rmtree(self.path / REJECTS_DIR)
+        rmtree(self.path / CHECKSUMS_DIR)
         for name in (*STANDARD_OUTPUTS, *self.extra_outputs):
             p = self.path / name
             rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -95,17 +115,23 @@ class StageFolder:
         resolved config written. Returns the config's sha256."""
         from pipeline.runtime.config import write_resolved
 
+        self.acquire()
         (self.path / SUCCESS).unlink(missing_ok=True)
-        for folder in (self.path, self.path / REJECTS_DIR):
-            for stale in folder.glob(".*.tmp-*"):  # left by a writer killed mid-write
+        for folder in (self.path, self.path / REJECTS_DIR, self.path / CHECKSUMS_DIR):
+            # Ours to delete: this run holds the lease, so no live writer has a temp file here; they are left by a
+            # writer that was killed mid-write (and whose lease was given up or taken over).
+            for stale in folder.glob(".*.tmp-*"):
                 stale.unlink(missing_ok=True)
         return write_resolved(cfg, self.path)
 
     def complete(self, summary: Dict[str, Any], card: Optional[str] = None) -> None:
+        """``card``: the whole card, front matter included (pipeline.executor.card.front_matter)."""
+        self.check_lease()
         if card is not None:
-            write_text_atomic(FRONT_MATTER + card, self.path / CARD)
+            write_text_atomic(card, self.path / CARD)
         write_json_atomic(summary, self.path / SUMMARY)
         mark_complete(self.path)  # last: everything above is in place
+        self.release()
 
 
 def mark_complete(folder: Path) -> None:

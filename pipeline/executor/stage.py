@@ -51,6 +51,7 @@ class ShardTask:
     rows: int  # input rows: progress, and the done check
     output: str = ""  # filled in by the driver
     rejects: str = ""
+    checksum: str = ""  # the shard's sha256 sidecar, written with it (filled in by the driver)
     metadata: Dict[str, Any] = field(default_factory=dict)  # stamped into the shard's schema metadata
 
 

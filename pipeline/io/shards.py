@@ -48,17 +48,43 @@ def list_shards(folder) -> list:
     return sorted(location(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"), key=lambda p: p.name)
 
 
-def write_parquet_atomic(table: pa.Table, path, **options: Any) -> None:
+def write_parquet_atomic(table: pa.Table, path, checksum=None, **options: Any) -> str:
+    """Write ``table`` at ``path`` all at once and return the file's sha256.
+
+    With ``checksum`` (a sidecar path, :func:`write_checksum`), that sha256 is published there BEFORE the shard: a
+    shard on disk then always has the checksum it was written with, so resume can prove the bytes it keeps. A kill
+    between the two leaves a checksum whose shard is missing or older, and the older one fails the check."""
     path = location(path)
     if is_remote(path):  # one PUT of the finished file (pipeline/io/storage.py)
-        write_bytes_atomic(parquet_bytes(table, **options), path)
-        return
+        data = parquet_bytes(table, **options)
+        sha = hashlib.sha256(data).hexdigest()
+        if checksum:
+            write_checksum(checksum, path.name, sha, len(data))
+        write_bytes_atomic(data, path)
+        return sha
     tmp = tmp_path(path)
     try:
         pq.write_table(table, tmp, **options)
+        sha = file_sha256(tmp)  # just written: read back from the page cache
+        if checksum:
+            write_checksum(checksum, path.name, sha, tmp.stat().st_size)
         replace_durably(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return sha
+
+
+def write_checksum(path, file: str, sha256: str, size: int) -> None:
+    write_json_atomic({"file": file, "sha256": sha256, "bytes": size}, path)
+
+
+def read_checksum(path) -> Optional[str]:
+    """The sha256 a shard was written with (its sidecar), None when there is none or it is unreadable."""
+    path = location(path)
+    try:
+        return json.loads(path.read_text())["sha256"] if path.exists() else None
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
 
 
 def write_text_atomic(text: str, path) -> None:
@@ -141,8 +167,25 @@ def shard_intact(path: Path, rows: int, fp_sha: str) -> bool:
     return pf.metadata.num_rows == rows and info.get("fingerprint_sha256") == fp_sha
 
 
-def output_shard_valid(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
-                       rows_per_input: int = 1) -> bool:
-    """An output shard counts as done when it is intact and its rows plus its rejects account for every input row."""
+def shard_problem(path: Path, rows: int, fp_sha: str, sha256: Optional[str]) -> str:
+    """Why the shard at ``path`` cannot be kept ('' when it can): missing, a bad footer, other rows or config, or
+    bytes that are not the ones recorded when it was written (``sha256``: its checksum sidecar or manifest entry).
+    The footer alone misses a damaged data page, so a kept shard must also match ``sha256``; one with no recorded
+    sha256 proves nothing and is redone. Costs one read of the whole file."""
+    if not location(path).exists():
+        return "missing"
+    if not shard_intact(path, rows, fp_sha):
+        return "unreadable footer, other row count or other config"
+    if sha256 is None:
+        return "no recorded sha256 to check it against"
+    if file_sha256(path) != sha256:
+        return "sha256 differs from the one recorded when it was written (damaged or changed)"
+    return ""
+
+
+def output_shard_problem(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
+                         rows_per_input: int = 1, sha256: Optional[str] = None) -> str:
+    """'' when the output shard counts as done: it checks out (:func:`shard_problem`) and its rows plus its rejects
+    account for every input row; else why not."""
     rejected = len(read_jsonl(rejects_path))
-    return shard_intact(out_path, (input_rows - rejected) * rows_per_input, fp_sha)
+    return shard_problem(out_path, (input_rows - rejected) * rows_per_input, fp_sha, sha256)

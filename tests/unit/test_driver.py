@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.runtime.config import load_config
 from pipeline.io.shards import decode_metadata
-from pipeline.executor.card import FRONT_MATTER, LAYOUT_DOC
+from pipeline.executor.card import LAYOUT_DOC, front_matter
 from pipeline.executor.driver import run_stage
 from pipeline.executor.folder import mark_complete
 from pipeline.executor.local import LocalExecutor
@@ -138,8 +138,8 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     assert saved["rows"] == summary["rows"] == 7 and summary["rejects"] == 2 and summary["status"] == "done"
     assert summary["sum_of_squares"] == m["summary"]["sum_of_squares"]
     card = (out / "README.md").read_text()
-    assert card.startswith(FRONT_MATTER + "# Squares\n") and LAYOUT_DOC.strip() in card
-    assert 'path: "part-*.parquet"' in FRONT_MATTER  # load_dataset(DIR) reads the shards and nothing else
+    assert card.startswith(front_matter(m) + "# Squares\n") and LAYOUT_DOC.strip() in card
+    assert 'path: "part-*.parquet"' in front_matter(m)  # load_dataset(DIR) reads the shards and nothing else
     assert (out / "config.yaml").exists() and (out / "_SUCCESS").exists()
     assert stage.setups == 1  # once per worker, not per shard
 

@@ -1,0 +1,78 @@
+"""Resume proves what it keeps (issue #25, item 2): a shard whose footer reads but whose data page has one flipped
+byte is redone alone on a rerun, whether the folder was complete (its manifest holds the sha256) or interrupted
+before any manifest (the shard's checksum sidecar, written with it, holds it); validate names the file.
+
+Real driver, real Parquet files; the damage is one byte inside a column chunk's data, the footer left intact (the
+test asserts that the footer-only check still passes on it, so the damage is the kind that check missed).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.validate import validate_dataset
+from pipeline.io.layout import CHECKSUMS_DIR
+from pipeline.io.shards import file_sha256, shard_intact
+
+from test_driver import Squares, cfg_for, inputs, mtimes, run  # noqa: F401 - inputs is a fixture
+
+
+def flip_a_data_byte(path: Path) -> None:
+    """Flip the last byte of the first column chunk (its data page's payload): the footer still reads."""
+    col = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    offset = start + col.total_compressed_size - 1  # the chunk's last byte: inside its last data page
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def fingerprint_of(folder: Path) -> str:
+    return json.loads((folder / "manifest.json").read_text())["fingerprint_sha256"]
+
+
+def test_a_flipped_byte_in_a_complete_folder_is_redone_alone(tmp_path, inputs):
+    out = tmp_path / "squares"
+    run(Squares(cfg_for(), inputs, out))
+    bad = out / "part-00001.parquet"
+    original, original_sha = pq.read_table(bad).to_pylist(), file_sha256(bad)
+    flip_a_data_byte(bad)
+    assert shard_intact(bad, 2, fingerprint_of(out))  # the footer-only check keeps it
+    others = {k: v for k, v in mtimes(out).items() if k in ("part-00000.parquet", "part-00002.parquet")}
+    again = Squares(cfg_for(), inputs, out)
+    summary = run(again)
+    assert again.calls == ["part-00001.parquet"]  # redone alone
+    assert file_sha256(bad) == original_sha and pq.read_table(bad).to_pylist() == original
+    assert {k: v for k, v in mtimes(out).items() if k in others} == others
+    assert summary["rows"] == 7 and (out / "_SUCCESS").exists()
+
+
+def test_a_flipped_byte_before_any_manifest_is_caught_by_the_shards_own_checksum(tmp_path, inputs):
+    """A run killed before its manifest: only the checksum written with each shard can prove it."""
+    out = tmp_path / "squares"
+    with pytest.raises(RuntimeError, match="part-00002.parquet"):
+        run(Squares(cfg_for(), inputs, out, fail={"part-00002.parquet"}))
+    fp = fingerprint_of(out)
+    (out / "manifest.json").unlink()  # as if killed before the driver wrote it
+    sidecar = json.loads((out / CHECKSUMS_DIR / "part-00000.json").read_text())
+    assert sidecar == {"file": "part-00000.parquet", "sha256": file_sha256(out / "part-00000.parquet"),
+                       "bytes": (out / "part-00000.parquet").stat().st_size}
+    flip_a_data_byte(out / "part-00000.parquet")
+    assert shard_intact(out / "part-00000.parquet", 3, fp)
+    rerun = Squares(cfg_for(), inputs, out)
+    run(rerun)
+    assert rerun.calls == ["part-00000.parquet", "part-00002.parquet"]  # part-00001 kept: its bytes check out
+    assert pq.read_table(out / "part-00000.parquet")["square"].to_pylist() == [1, 4, 9]
+
+
+def test_validate_names_the_shard_with_a_flipped_byte(real_labels, tmp_path):
+    folder = Path(shutil.copytree(real_labels, tmp_path / "labels"))
+    assert validate_dataset(str(folder)).ok
+    flip_a_data_byte(folder / "part-00001.parquet")
+    report = validate_dataset(str(folder))
+    assert not report.ok
+    assert all(p.startswith("part-00001.parquet: ") for p in report.problems), report.problems
+    assert "part-00001.parquet: sha256 differs from the manifest (file changed or corrupted)" in report.problems

@@ -60,6 +60,11 @@ class AcceptanceModel:
     features: Tuple[str, ...] = FEATURES
     block_size: int = 0  # the b_max its traces were drafted at
     info: Tuple[Tuple[str, Any], ...] = ()  # how it was fitted (samples, log loss), for the record
+    # Isotonic recalibration of the logistic's q (knots: raw q -> observed rate, fitted on the same train split):
+    # the logistic alone is off by up to 9 points per decile on the default (benchmarks/results/
+    # acceptance-calibration.md); empty = none.
+    calibration_x: Tuple[float, ...] = ()
+    calibration_y: Tuple[float, ...] = ()
 
     def hazard(self, conf: np.ndarray, prev: np.ndarray) -> np.ndarray:
         """[L, W] q_j of every slot (see :func:`slot_features` for the inputs). The linear score folded into
@@ -72,7 +77,28 @@ class AcceptanceModel:
         prev = np.asarray(prev, dtype=np.float64)
         z = a * logc + b * np.cumsum(logc, axis=1) + by_pos[None, :] + \
             (np.where(prev < 0, p_first, p_w * np.maximum(prev, 0)) + p_c)[:, None]
+        return self.calibrate(1.0 / (1.0 + np.exp(-z)))
+
+    def calibrate(self, q: np.ndarray) -> np.ndarray:
+        """The isotonic map of raw q (elementwise: np.interp over the knots), or q itself without one."""
+        if not self.calibration_x:
+            return q
+        return np.interp(q, self._knots[0], self._knots[1])
+
+    @property
+    def _knots(self):
+        if "_knot_arrays" not in self.__dict__:
+            object.__setattr__(self, "_knot_arrays", (np.asarray(self.calibration_x), np.asarray(self.calibration_y)))
+        return self.__dict__["_knot_arrays"]
+
+    def raw_probability(self, x: np.ndarray) -> np.ndarray:
+        """The logistic's q of feature rows x [N, F] (before the recalibration)."""
+        z = self.intercept + ((x - np.array(self.means)) / np.array(self.scales)) @ np.array(self.weights)
         return 1.0 / (1.0 + np.exp(-z))
+
+    def probability(self, x: np.ndarray) -> np.ndarray:
+        """Calibrated q of feature rows x [N, F]."""
+        return self.calibrate(self.raw_probability(x))
 
     def _folded(self, W: int):
         """(a, b, by_pos [W], prev weight, first-step term, constant): the standardised weights over FEATURES
@@ -97,7 +123,8 @@ class AcceptanceModel:
     def to_dict(self) -> Dict[str, Any]:
         return {"format": FORMAT, "version": FORMAT_VERSION, "features": list(self.features),
                 "intercept": self.intercept, "weights": list(self.weights), "means": list(self.means),
-                "scales": list(self.scales), "block_size": self.block_size, "info": dict(self.info)}
+                "scales": list(self.scales), "block_size": self.block_size, "info": dict(self.info),
+                "calibration": {"raw": list(self.calibration_x), "calibrated": list(self.calibration_y)}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "AcceptanceModel":
@@ -107,9 +134,11 @@ class AcceptanceModel:
             raise ValueError(f"acceptance model version {d['version']} is newer than this reader ({FORMAT_VERSION})")
         if tuple(d["features"]) != FEATURES:
             raise ValueError(f"acceptance model features {d['features']} are not this reader's {list(FEATURES)}")
+        cal = d.get("calibration") or {}
         return cls(float(d["intercept"]), tuple(map(float, d["weights"])), tuple(map(float, d["means"])),
                    tuple(map(float, d["scales"])), FEATURES, int(d.get("block_size", 0)),
-                   tuple(sorted((d.get("info") or {}).items())))
+                   tuple(sorted((d.get("info") or {}).items())), tuple(map(float, cal.get("raw", ()))),
+                   tuple(map(float, cal.get("calibrated", ()))))
 
 
 def full_path_steps(trace: Trace) -> List[Tuple[int, int]]:
@@ -165,14 +194,30 @@ def _newton(x: np.ndarray, y: np.ndarray, l2: float, iters: int = 50) -> np.ndar
     return beta
 
 
+def isotonic_knots(p: np.ndarray, y: np.ndarray, bins: int = 50) -> Tuple[np.ndarray, np.ndarray]:
+    """Knots of a monotone map p -> P(y = 1): ``bins`` equal-count bins of p, then pool-adjacent-violators over
+    their observed rates (written here rather than taken from sklearn, which is not one of the product's
+    packages)."""
+    order = np.argsort(p, kind="stable")
+    groups = [g for g in np.array_split(order, bins) if len(g)]
+    blocks = [[float(p[g].sum()), float(y[g].sum()), float(len(g))] for g in groups]  # sums of p, y, count
+    out: List[List[float]] = []
+    for blk in blocks:
+        out.append(blk)
+        while len(out) > 1 and out[-2][1] / out[-2][2] > out[-1][1] / out[-1][2]:  # a violator: pool the two
+            last = out.pop()
+            out[-1] = [out[-1][0] + last[0], out[-1][1] + last[1], out[-1][2] + last[2]]
+    return np.array([b[0] / b[2] for b in out]), np.array([b[1] / b[2] for b in out])
+
+
 def log_loss(model: AcceptanceModel, x: np.ndarray, y: np.ndarray) -> float:
-    z = model.intercept + ((x - np.array(model.means)) / np.array(model.scales)) @ np.array(model.weights)
-    p = np.clip(1.0 / (1.0 + np.exp(-z)), 1e-12, 1 - 1e-12)
+    p = np.clip(model.probability(x), 1e-12, 1 - 1e-12)
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))) if len(y) else float("nan")
 
 
-def fit_acceptance(traces: Sequence[Trace], l2: float = 1.0) -> AcceptanceModel:
-    """The hazard model fitted on ``traces`` (the label set's train split); ValueError when they hold no step."""
+def fit_acceptance(traces: Sequence[Trace], l2: float = 1.0, calibrate: bool = True) -> AcceptanceModel:
+    """The hazard model fitted on ``traces`` (the label set's train split), then recalibrated on the same samples
+    (:func:`isotonic_knots`); ValueError when they hold no step."""
     x, y = acceptance_samples(traces)
     if not len(y):
         raise ValueError("no trace step to fit the acceptance model on (the label set has no traces?)")
@@ -183,12 +228,16 @@ def fit_acceptance(traces: Sequence[Trace], l2: float = 1.0) -> AcceptanceModel:
     scales[scales == 0] = 1.0  # a constant feature (one b_max, no first step...) keeps weight 0
     beta = _newton((x - means) / scales, y, l2)
     block = max((t.block_size for t in traces), default=0)
-    model = AcceptanceModel(float(beta[0]), tuple(map(float, beta[1:])), tuple(map(float, means)),
-                            tuple(map(float, scales)), FEATURES, int(block))
+    raw = AcceptanceModel(float(beta[0]), tuple(map(float, beta[1:])), tuple(map(float, means)),
+                          tuple(map(float, scales)), FEATURES, int(block))
+    kx, ky = isotonic_knots(raw.raw_probability(x), y) if calibrate else ((), ())
+    model = AcceptanceModel(raw.intercept, raw.weights, raw.means, raw.scales, FEATURES, raw.block_size, (),
+                            tuple(map(float, kx)), tuple(map(float, ky)))
     info = {"samples": int(len(y)), "accepted_share": float(y.mean()), "l2": l2, "traces": len(traces),
-            "train_log_loss": log_loss(model, x, y)}
+            "train_log_loss": log_loss(model, x, y), "train_log_loss_uncalibrated": log_loss(raw, x, y),
+            "calibration_knots": len(kx)}
     return AcceptanceModel(model.intercept, model.weights, model.means, model.scales, FEATURES, model.block_size,
-                           tuple(sorted(info.items())))
+                           tuple(sorted(info.items())), model.calibration_x, model.calibration_y)
 
 
 def reliability(model: AcceptanceModel, traces: Sequence[Trace], bins: int = 10) -> Dict[str, Any]:
@@ -198,8 +247,7 @@ def reliability(model: AcceptanceModel, traces: Sequence[Trace], bins: int = 10)
     x, y = acceptance_samples(traces)
     if not len(y):
         return {"samples": 0, "table": []}
-    z = model.intercept + ((x - np.array(model.means)) / np.array(model.scales)) @ np.array(model.weights)
-    p = 1.0 / (1.0 + np.exp(-z))
+    p = model.probability(x)
     order = np.argsort(p, kind="stable")
     table = []
     for d, idx in enumerate(np.array_split(order, bins)):

@@ -146,7 +146,7 @@ class LearnedVerify:
         prev = committed[-1] - 1 if committed else -1
         logc = np.log(np.maximum(c, _FLOOR))
         z = a * logc + b * np.cumsum(logc) + by_pos + ((p_first if prev < 0 else p_w * float(max(prev, 0))) + p_c)
-        e = 1.0 + np.cumsum(np.cumprod(1.0 / (1.0 + np.exp(-z))))
+        e = 1.0 + np.cumsum(np.cumprod(self.model.calibrate(1.0 / (1.0 + np.exp(-z)))))
         return int((e / self._seconds[:W]).argmax()) + 1
 
     def describe(self) -> Dict[str, Any]:

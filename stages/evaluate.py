@@ -43,11 +43,16 @@ from .decoding import DecodingStage
 from .prepare import PrepareStage
 
 
+# Prompts per evaluation shard: a shard is one actor's unit of work, and the default's 64 evaluation prompts in one
+# shard of prepare.shard_size left one of its two actors idle for the whole stage.
+EVAL_SHARD_SIZE = 8
+
+
 def prompt_sets(cfg: PipelineConfig) -> PrepareStage:
     """The held-out prompt sets, built by prepare's own stage (same cleaning, chat template and fingerprint) into
-    ``eval/prompts/``."""
+    ``eval/prompts/``, in shards of EVAL_SHARD_SIZE prompts."""
     return PrepareStage(cfg, RunLayout(location(cfg.output_dir)).eval_prompts, cfg.evaluate.sources,
-                        cfg.evaluate.limit, section="evaluate")
+                        cfg.evaluate.limit, section="evaluate", shard_size=EVAL_SHARD_SIZE)
 
 
 class EvaluateStage(DecodingStage):

@@ -39,18 +39,19 @@ class PrepareStage(ShardStage):
 
     def __init__(self, cfg: PipelineConfig, folder: Optional[Path] = None,
                  sources: Optional[Sequence[SourceConfig]] = None, limit: Optional[int] = None,
-                 section: str = "prepare"):
+                 section: str = "prepare", shard_size: Optional[int] = None):
         super().__init__(cfg, folder or location(cfg.output_dir) / STAGE_DIR)
         self.sources = list(cfg.prepare.sources if sources is None else sources)
         self.limit = cfg.prepare.limit if sources is None else limit
         self.section = section  # the config key named in errors
+        self.shard_size = int(shard_size or cfg.prepare.shard_size)
         self.stats: Dict[str, Any] = {}
 
     def fingerprint(self) -> Dict[str, Any]:
         p, m = self.cfg.prepare, self.cfg.model
         return {
             "schema_version": PROMPTS_SCHEMA_VERSION, "sources": [asdict(s) for s in self.sources],
-            "max_prompt_tokens": p.max_prompt_tokens, "shard_size": p.shard_size, "limit": self.limit,
+            "max_prompt_tokens": p.max_prompt_tokens, "shard_size": self.shard_size, "limit": self.limit,
             "apply_chat_template": p.apply_chat_template, "enable_thinking": m.enable_thinking,
             "target": m.target, "target_revision": m.target_revision, "tokenizer": m.tokenizer or m.target,
         }
@@ -67,7 +68,7 @@ class PrepareStage(ShardStage):
             self.sources, load_tokenizer(self.cfg.model), p.max_prompt_tokens,
             apply_chat_template=p.apply_chat_template, enable_thinking=self.cfg.model.enable_thinking,
             limit=self.limit, section=self.section, log=log)
-        size = p.shard_size
+        size = self.shard_size
         return Plan(numbered_tasks([rows[i:i + size] for i in range(0, len(rows), size)]), rejects)
 
     def process_shard(self, rows: List[Dict[str, Any]], rejects: Rejects) -> pa.Table:

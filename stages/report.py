@@ -173,9 +173,22 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     md = ["## Per-step verify length", "",
           f"Chosen on {choice['prompts']} {choice['chosen_on']}: `{choice['rule']}` at b_max={choice['max_block_size']}"
           f", modelled gain {choice['gain']:+.2%} over b={choice['baseline_b']} there.", "",
-          _md_table(["method", "modelled time per token (ms)", "gain vs the fixed b"],
-                    [[t["method"], t["modelled_time_per_token"] * 1e3, f"{t['gain']:+.2%}"] for t in choice["table"]]),
+          _md_table(["method", "modelled time per token (ms)", "gain vs the fixed b", "share of the per-step oracle's"],
+                    [[t["method"], t["modelled_time_per_token"] * 1e3, f"{t['gain']:+.2%}",
+                      "-" if t.get("oracle_gain_captured") is None else f"{t['oracle_gain_captured']:.0%}"]
+                     for t in choice["table"]]),
           ""]
+    oracle = choice.get("per_step_oracle")
+    if oracle:  # format of tune since the simulating search (older step_rule.json files have none)
+        md += [f"Per-step oracle (the best verify length at each step in hindsight): modelled gain "
+               f"{oracle['gain']:+.2%} over b={choice['baseline_b']}. Simulated against decoded on the confirmation "
+               f"prompts: {choice.get('confirmed', {}).get('simulated_equals_decoded', '-')} equal.", ""]
+    rel = choice.get("reliability")
+    if rel and rel.get("table"):
+        md += [f"Acceptance model (learned rule) on the val split: log loss {rel['log_loss']:.4f} against "
+               f"{rel['base_rate_log_loss']:.4f} for the base rate; reliability per decile of predicted acceptance:",
+               "", _md_table(["decile", "predicted", "observed", "slots"],
+                             [[r["decile"], r["predicted"], r["observed"], r["slots"]] for r in rel["table"]]), ""]
     chosen = f"{choice['rule']}@{choice['max_block_size']}"
     base = f"b={choice['baseline_b']}"
     plt = _plt()

@@ -58,6 +58,7 @@ def render_markdown(s: Dict[str, Any]) -> str:
                        f"{hind:.3f}x | {v['oracle']:.3f}x | {v['oracle_headroom']:+.1%} | {v['gain']:+.2%} "
                        f"[{v['gain_ci95'][0]:+.2%}, {v['gain_ci95'][1]:+.2%}] | {cap} |")
         out.append("")
+    out += render_rules(headline)
     out += render_cost_model(s.get("cost_model") or {})
     if s.get("folded_policy"):
         f = s["folded_policy"]
@@ -71,6 +72,33 @@ def render_markdown(s: Dict[str, Any]) -> str:
             out.append(f"| {c['against']} | {c['chosen_on']} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def render_rules(headline: Dict[str, Any]) -> List[str]:
+    """summary.md's table of the per-step rules decoded apart against the per-step oracle (modelled), and the
+    learned rule against the threshold rule with its interval."""
+    rules = headline.get("rules") or {}
+    if not rules:
+        return []
+    base = headline["modelled"]["baseline_b"]
+    first = next(iter(rules.values()))
+    out = ["## Per-step rules against the per-step oracle (modelled)", "",
+           f"Gain over the train-chosen b={base} with its 95 % interval; the per-step oracle (the best verify length "
+           f"at each step in hindsight, from each prompt's trace) is {_fmt(first['per_step_oracle'], 3, 'x')} "
+           f"({_fmt(first['per_step_oracle_gain'] and 100 * first['per_step_oracle_gain'], 2, ' %')} over the "
+           "fixed b).", "",
+           "| method | rule | modelled speedup | gain [95 % CI] | share of the per-step oracle's gain |",
+           "| --- | --- | ---: | ---: | ---: |"]
+    for m, r in rules.items():
+        cap = "-" if r["oracle_gain_captured_per_step"] is None else f"{r['oracle_gain_captured_per_step']:.0%}"
+        out.append(f"| {m} | `{r['rule']}` | {r['modelled_speedup']:.3f}x | {r['gain']:+.2%} "
+                   f"[{r['gain_ci95'][0]:+.2%}, {r['gain_ci95'][1]:+.2%}] | {cap} |")
+    lvt = headline.get("learned_vs_threshold")
+    if lvt:
+        out += ["", f"Learned (`{lvt['learned']}`) against threshold (`{lvt['threshold']}`), modelled: "
+                f"{lvt['gain']:+.2%} [{lvt['gain_ci95'][0]:+.2%}, {lvt['gain_ci95'][1]:+.2%}] over "
+                f"{lvt['prompts']} prompts."]
+    return out + [""]
 
 
 def render_cost_model(c: Dict[str, Any]) -> List[str]:

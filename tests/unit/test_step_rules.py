@@ -144,3 +144,32 @@ def test_a_rule_needs_a_block_to_cut():
     engine = Engine(target, draft)
     with pytest.raises(ValueError, match="block_size >= 2"):
         engine.decode(engine.prefill(prompt(0)), block_size=1, max_new_tokens=4, step_rule=Full())
+
+
+def test_the_learned_rule_round_trips_through_its_file_and_the_rule_fallback(tmp_path):
+    """tune writes verify_model.json; load_rule and RuleFallback (what AdaptiveDecoder runs) read it back as the same
+    rule, and the engine decodes the target's greedy continuation with it."""
+    import json
+
+    from pipeline.decoding.adaptive import RuleFallback
+    from pipeline.io.layout import VERIFY_MODEL
+    from pipeline.policy.step_rules import LearnedVerify, load_rule
+
+    rule = learned_rule(B_MAX, slope=0.05)
+    (tmp_path / VERIFY_MODEL).write_text(json.dumps(rule.to_dict()))
+    loaded = load_rule("learned", tmp_path)
+    assert isinstance(loaded, LearnedVerify) and loaded.step_seconds == rule.step_seconds
+    assert loaded.model.weights == rule.model.weights
+    fallback = RuleFallback.from_tune({"rule": "learned", "max_block_size": B_MAX, "gain": 0.01}, tmp_path)
+    assert fallback.step_rule() == loaded and RuleFallback.from_tune({"rule": "learned", "max_block_size": B_MAX,
+                                                                      "gain": -0.01}, tmp_path) is None
+    target, draft = make_pair(1, block_size=B_MAX)
+    engine = Engine(target, draft, [EOS_ID])
+    ids = prompt(1)
+    res = engine.decode(engine.prefill(ids), block_size=B_MAX, max_new_tokens=30, step_rule=fallback.step_rule())
+    assert torch.equal(res.output_ids, greedy_reference(target, ids, 30, [EOS_ID]))
+    assert len(set(res.verified)) > 1  # it cut at more than one length
+    with pytest.raises(ValueError, match="fitted by blockpilot tune"):
+        parse_rule("learned")
+    with pytest.raises(ValueError, match="needs the folder"):
+        load_rule("learned")

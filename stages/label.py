@@ -29,7 +29,8 @@ from pipeline.io.shards import MANIFEST, file_sha256
 from pipeline.io.storage import location, read_table
 from pipeline.labelling.settings import resolve_mode, trace_block_size, trained_block_size
 from pipeline.labelling.shard import label_row, label_table, parquet_options
-from pipeline.labelling.summary import chosen_cost_profile, label_summary
+from pipeline.labelling.summary import (SUMMARY_COLUMNS, chosen_cost_profile, label_shard_stats, label_summary,
+                                        merge_label_stats)
 
 from .ray_executor import execute
 from .decoding import DecodingStage
@@ -157,6 +158,13 @@ class LabelStage(DecodingStage):
     # -- the driver, at the end --
     def summarize(self, shards: List[Path]) -> Dict[str, Any]:
         summary = label_summary(shards)
+        return {"mode": self.mode, **summary} if summary else {}
+
+    def shard_stats(self, table: pa.Table) -> Dict[str, Any]:
+        return label_shard_stats(table.select(SUMMARY_COLUMNS))
+
+    def merge_stats(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
+        summary = merge_label_stats(stats)
         return {"mode": self.mode, **summary} if summary else {}
 
     def manifest_extras(self) -> Dict[str, Any]:

@@ -36,7 +36,7 @@ def run_task(stage: ShardStage, task: ShardTask, worker: Worker) -> Dict[str, An
     meta = {**(table.schema.metadata or {}), **encode_metadata(task.metadata)}
     write_jsonl_atomic(rejects, task.rejects)
     write_parquet_atomic(table.replace_schema_metadata(meta), task.output, checksum=task.checksum or None,
-                         **stage.parquet_options(table))
+                         stats=stage.shard_stats(table), **stage.parquet_options(table))
     return {"shard": task.name, "rows": table.num_rows, "rejects": len(rejects), "worker": worker.identity,
             "seconds": round(time.perf_counter() - t0, 3)}
 

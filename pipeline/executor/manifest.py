@@ -14,6 +14,7 @@ from pipeline.io.shards import (
     fingerprint_sha256,
     normalise,
     read_jsonl,
+    read_sidecar,
     write_json_atomic,
     write_jsonl_atomic,
 )
@@ -31,15 +32,23 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
     """The one manifest format. Reads what is on disk (so it also describes an interrupted run's shards), gathers
     the reject files into ``rejects.jsonl``, and keeps the workers of earlier runs that wrote some shards."""
     folder = stage.folder
-    files, rejects = [], read_jsonl(folder / REJECTS_DIR / INPUT_REJECTS)
+    files, rejects, stats = [], read_jsonl(folder / REJECTS_DIR / INPUT_REJECTS), []
     for t in tasks:
         p = location(t.output)
         if not p.exists():
             continue
         shard_rejects = read_jsonl(t.rejects)
         rejects.extend(shard_rejects)
-        files.append({"file": p.name, "rows": parquet_file(p).metadata.num_rows, "bytes": size(p),
-                      "sha256": file_sha256(p), "rejects": len(shard_rejects), "input_rows": t.rows})
+        # The sidecar, written with the shard (and checked against its bytes when resume kept it), carries what
+        # this entry needs: no shard is read again here (a million label rows at V = 151,936 are ~250 GB).
+        side = read_sidecar(t.checksum) if t.checksum else None
+        if side and side.get("file") == p.name and side.get("rows") is not None:
+            entry = {"rows": int(side["rows"]), "bytes": int(side["bytes"]), "sha256": side["sha256"]}
+            stats.append(side.get("stats"))
+        else:  # a shard written before sidecars carried rows: read it
+            entry = {"rows": parquet_file(p).metadata.num_rows, "bytes": size(p), "sha256": file_sha256(p)}
+            stats.append(None)
+        files.append({"file": p.name, **entry, "rejects": len(shard_rejects), "input_rows": t.rows})
     write_jsonl_atomic(rejects, folder / REJECTS)
     if (folder / MANIFEST).exists():
         try:
@@ -57,8 +66,16 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
         "rejects_by_worker": _counts(rejects, "worker"),
         "fingerprint": normalise(fingerprint), "fingerprint_sha256": fingerprint_sha256(fingerprint),
         "workers": workers,
-        "summary": stage.summarize([location(t.output) for t in tasks if location(t.output).exists()]),
+        "summary": _summary(stage, tasks, stats),
         **stage.manifest_extras(),
     }
     write_json_atomic(manifest, folder / MANIFEST)
     return manifest
+
+
+def _summary(stage: ShardStage, tasks: List[ShardTask], stats: List[Any]) -> Dict[str, Any]:
+    """The stage's summary: merged from the shards' sidecar statistics when every shard has them, else read from
+    the shards (stage.summarize)."""
+    if stats and all(s is not None for s in stats):
+        return stage.merge_stats(stats)
+    return stage.summarize([location(t.output) for t in tasks if location(t.output).exists()])

@@ -111,8 +111,19 @@ class ShardStage:
         return ""
 
     def summarize(self, shards: List[Path]) -> Dict[str, Any]:
-        """The stage's own summary of its data, stored in the manifest (no timings)."""
+        """The stage's own summary of its data, stored in the manifest (no timings); read from the shards, so only
+        for stages without :meth:`shard_stats`."""
         return {}
+
+    def shard_stats(self, table: pa.Table) -> Optional[Dict[str, Any]]:
+        """JSON-able statistics of one shard, computed by the worker that writes it and kept in its sidecar; with
+        :meth:`merge_stats` they replace :meth:`summarize`, so that the driver's closing work reads no shard
+        again. None: the stage has none (the driver then calls summarize)."""
+        return None
+
+    def merge_stats(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The summary from every shard's :meth:`shard_stats`."""
+        raise NotImplementedError
 
     def manifest_extras(self) -> Dict[str, Any]:
         return {}

@@ -48,7 +48,8 @@ def list_shards(folder) -> list:
     return sorted(location(folder).glob("part-[0-9][0-9][0-9][0-9][0-9].parquet"), key=lambda p: p.name)
 
 
-def write_parquet_atomic(table: pa.Table, path, checksum=None, **options: Any) -> str:
+def write_parquet_atomic(table: pa.Table, path, checksum=None, stats: Optional[Dict[str, Any]] = None,
+                         **options: Any) -> str:
     """Write ``table`` at ``path`` all at once and return the file's sha256.
 
     With ``checksum`` (a sidecar path, :func:`write_checksum`), that sha256 is published there BEFORE the shard: a
@@ -59,7 +60,7 @@ def write_parquet_atomic(table: pa.Table, path, checksum=None, **options: Any) -
         data = parquet_bytes(table, **options)
         sha = hashlib.sha256(data).hexdigest()
         if checksum:
-            write_checksum(checksum, path.name, sha, len(data))
+            write_checksum(checksum, path.name, sha, len(data), table.num_rows, stats)
         write_bytes_atomic(data, path)
         return sha
     tmp = tmp_path(path)
@@ -67,15 +68,27 @@ def write_parquet_atomic(table: pa.Table, path, checksum=None, **options: Any) -
         pq.write_table(table, tmp, **options)
         sha = file_sha256(tmp)  # just written: read back from the page cache
         if checksum:
-            write_checksum(checksum, path.name, sha, tmp.stat().st_size)
+            write_checksum(checksum, path.name, sha, tmp.stat().st_size, table.num_rows, stats)
         replace_durably(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return sha
 
 
-def write_checksum(path, file: str, sha256: str, size: int) -> None:
-    write_json_atomic({"file": file, "sha256": sha256, "bytes": size}, path)
+def write_checksum(path, file: str, sha256: str, size: int, rows: Optional[int] = None,
+                   stats: Optional[Dict[str, Any]] = None) -> None:
+    """The shard's sidecar: its sha256 and size, and (so that the driver's closing bookkeeping reads none of the
+    shards again) its row count and the stage's per-shard statistics (ShardStage.shard_stats)."""
+    write_json_atomic({"file": file, "sha256": sha256, "bytes": size, "rows": rows, "stats": stats}, path)
+
+
+def read_sidecar(path) -> Optional[Dict[str, Any]]:
+    """A shard's whole sidecar (:func:`write_checksum`), None when there is none or it is unreadable."""
+    path = location(path)
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (ValueError, OSError):
+        return None
 
 
 def read_checksum(path) -> Optional[str]:

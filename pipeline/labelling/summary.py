@@ -22,18 +22,40 @@ def label_summary(shards: List[Path]) -> Dict[str, Any]:
     """Label histograms and mean tau per candidate, read without the logits column; {} without rows."""
     if not shards:
         return {}
-    t = pa.concat_tables([read_table(p, columns=SUMMARY_COLUMNS) for p in shards])
+    return merge_label_stats([label_shard_stats(read_table(p, columns=SUMMARY_COLUMNS)) for p in shards])
+
+
+def label_shard_stats(t: pa.Table) -> Dict[str, Any]:
+    """One shard's part of :func:`label_summary` (the worker computes it as it writes the shard: the sidecar
+    keeps it): row count, label counts and the sum of tau per candidate."""
     if t.num_rows == 0:
-        return {}
+        return {"rows": 0}
     candidates = t.column("candidates")[0].as_py()
     taus = np.array(t.column("tau").to_pylist(), dtype=np.float64)
-    hist = Counter(t.column("label_block_size").to_pylist())
-    speed_hist = Counter(t.column("label_speedup_block_size").to_pylist())
+    return {"rows": t.num_rows, "candidates": candidates,
+            "labels": dict(Counter(str(b) for b in t.column("label_block_size").to_pylist())),
+            "speed_labels": dict(Counter(str(b) for b in t.column("label_speedup_block_size").to_pylist())),
+            "tau_sum": [float(x) for x in taus.sum(axis=0)]}
+
+
+def merge_label_stats(stats: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """:func:`label_summary` from the shards' :func:`label_shard_stats`; {} without rows."""
+    stats = [s for s in stats if s.get("rows")]
+    if not stats:
+        return {}
+    candidates = stats[0]["candidates"]
+    rows = sum(s["rows"] for s in stats)
+    hist, speed = Counter(), Counter()
+    tau = np.zeros(len(candidates))
+    for s in stats:
+        hist.update(s["labels"])
+        speed.update(s["speed_labels"])
+        tau += np.array(s["tau_sum"])
     return {
         "candidates": candidates,
-        "label_histogram": {int(b): hist.get(b, 0) for b in candidates},
-        "speedup_label_histogram": {int(b): speed_hist.get(b, 0) for b in candidates},
-        "mean_tau": {int(b): round(float(taus[:, i].mean()), 4) for i, b in enumerate(candidates)},
+        "label_histogram": {int(b): hist.get(str(b), 0) for b in candidates},
+        "speedup_label_histogram": {int(b): speed.get(str(b), 0) for b in candidates},
+        "mean_tau": {int(b): round(float(tau[i] / rows), 4) for i, b in enumerate(candidates)},
     }
 
 

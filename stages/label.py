@@ -84,7 +84,13 @@ class LabelStage(DecodingStage):
             "top_k": d.top_k, "max_new_tokens": d.max_new_tokens, "seed": d.seed, "stop_on_eos": d.stop_on_eos,
             "enable_thinking": m.enable_thinking, "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST),
             "schema_version": LABELS_SCHEMA_VERSION, "trace_block_size": self.trace_block_size,
+            # Only when not the default: a folder labelled before the key existed (fp16) keeps its fingerprint.
+            **({"logits_precision": self.precision} if self.precision != "fp16" else {}),
         }
+
+    @property
+    def precision(self) -> str:
+        return self.cfg.label.logits_precision
 
     @property
     def label_batch_size(self) -> int:
@@ -92,7 +98,9 @@ class LabelStage(DecodingStage):
         return int(self.cfg.label.batch_size) if self.mode == "replay" else 1
 
     def describe(self) -> str:
-        return f"B={self.block_size} candidates={self.candidates} mode={self.mode} batch_size={self.label_batch_size}"
+        precision = f" logits_precision={self.precision}" if self.precision != "fp16" else ""
+        return (f"B={self.block_size} candidates={self.candidates} mode={self.mode} "
+                f"batch_size={self.label_batch_size}{precision}")
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
@@ -107,7 +115,14 @@ class LabelStage(DecodingStage):
 
     def worker_info(self) -> Dict[str, Any]:
         p = self.cost_profile
-        return {**super().worker_info(), "step_cost_seconds": {b: round(c, 6) for b, c in self.step_cost.items()},
+        ms = [c * 1e3 for c in self.step_cost.values()]
+        lo, hi = min(self.candidates), max(self.candidates)
+        return {**super().worker_info(),
+                # the worker's line in the log (stages.ray_executor.worker_line prints scalars only) ...
+                "step_ms": f"{min(ms):.3f}..{max(ms):.3f} at b={lo}..{hi} (profiled in {p.meta['wall_seconds']} s, "
+                           f"{p.meta['rounds']} rounds{'' if p.meta['stable'] else ', not stable'})",
+                # ... and in summary.json's `workers`, the whole of it
+                "step_cost_seconds": {b: round(c, 6) for b, c in self.step_cost.items()},
                 "cost_profile": {"rounds": p.meta["rounds"], "stable": p.meta["stable"],
                                  "seconds": p.meta["wall_seconds"], "fit": p.fit}}
 
@@ -120,7 +135,7 @@ class LabelStage(DecodingStage):
                 "cost_profile": self.cost_profile.to_dict(),
                 "label_mode": self.mode, "label_batch_size": self.label_batch_size, "device": self.device,
                 "vocab_size": self.models.vocab_size, "trace_block_size": self.trace_block_size,
-                "worker": self.worker.identity}
+                "logits_precision": self.precision, "worker": self.worker.identity}
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labelling import labels as labeling
@@ -135,9 +150,9 @@ class LabelStage(DecodingStage):
                 out = batches(rec)  # raises this prompt's own error, so each_prompt rejects it alone
             else:
                 out = label_fn(self.engine, self.input_ids(rec), self.candidates, step_cost=self.step_cost, **kw)
-            logits = labeling.logits_to_numpy(out.logits)
+            logits = labeling.logits_to_numpy(out.logits, self.precision)
             if not np.isfinite(logits).all():
-                raise FloatingPointError("non-finite prefill logits (float16 overflow or NaN)")
+                raise FloatingPointError(f"non-finite prefill logits ({self.precision} overflow or NaN)")
             return out, logits
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
@@ -189,7 +204,9 @@ class LabelStage(DecodingStage):
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         if not summary.get("rows"):
             return []
-        return [f"label histogram {summary['label_histogram']}; mean tau {summary['mean_tau']}"]
+        hist = " ".join(f"{b}:{n}" for b, n in summary["label_histogram"].items())
+        tau = " ".join(f"{b}:{t:.2f}" for b, t in summary["mean_tau"].items())
+        return [f"label histogram (b:rows) {hist}; mean tau (b:tau) {tau}"]  # not a dict's repr
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:

@@ -3,11 +3,10 @@ stage driver (:mod:`pipeline.executor.driver`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.runtime.config import RayConfig
 from pipeline.executor.driver import run_stage
@@ -17,21 +16,41 @@ from pipeline.runtime.log import get as log
 from pipeline.runtime.log import verbosity as log_verbosity
 
 
+def ray_init_plan(cfg: RayConfig, verbosity: int, environ=os.environ) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """What :func:`init_ray` passes to ``ray.init`` (minus ``logging_config``, built from ``verbosity`` by
+    :func:`ray_logging_config`) and the environment defaults it sets first, without importing Ray.
+
+    * Ray's own INFO lines (driver and workers) only with -v; ``log_to_driver`` stays on, since the actors' own
+      lines (``[label] ...`` at -v, tracebacks) reach the terminal through it.
+    * A local Ray we start has one node and no autoscaler, so no node is ever drained: Ray Train's preemption
+      watcher has nothing to watch there (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER``, its feature flag in
+      ray/train/v2/_internal/constants.py), and creating its actor logs a core_worker.cc error line (constructor
+      arguments in the object store with max_restarts > 0, ray-project/ray#53727) into every default run. On a
+      cluster it stays on (a spot node can be drained). ``setdefault``: a value the user set wins.
+    """
+    address = cfg.address or environ.get("RAY_ADDRESS")
+    local = not address or address == "local"
+    kwargs: Dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True,
+                                  logging_level=logging.INFO if verbosity >= 1 else logging.WARNING)
+    if local:  # a new local Ray ("local", or nothing to join), with the resources it may advertise
+        kwargs.update(address=address, num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus)
+    else:
+        kwargs.update(address=address)
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    if local:
+        env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    return kwargs, env
+
+
 def init_ray(cfg: RayConfig):
     """Join the cluster (`ray job submit` sets RAY_ADDRESS) or start a local Ray; idempotent."""
     import ray
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray's own INFO lines (driver and workers) only with -v: a default run stays readable.
-        kwargs = dict(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True,
-                      logging_level=logging.INFO if log_verbosity() >= 1 else logging.WARNING,
-                      logging_config=ray_logging_config())
-        address = cfg.address or os.environ.get("RAY_ADDRESS")
-        if address and address != "local":
-            ray.init(address=address, **kwargs)
-        else:  # a new local Ray ("local", or nothing to join), with the resources it may advertise
-            ray.init(address=address, num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus, **kwargs)
+        kwargs, env = ray_init_plan(cfg, log_verbosity())
+        for k, v in env.items():
+            os.environ.setdefault(k, v)  # before ray.init: a local Ray's processes inherit them
+        ray.init(**kwargs, logging_config=ray_logging_config())
     return ray
 
 
@@ -94,6 +113,23 @@ class StageActor:
         return run_task(self.stage, task, self.worker)
 
 
+def bound_actor_class(stage: ShardStage) -> type:
+    """A StageActor class that carries ``stage`` in its own definition rather than as a constructor argument.
+
+    Ray exports an actor class once to its control store, where it stays for the job, and rebuilds a restarted
+    actor from it; a constructor argument over 100 KB (a stage holding its driver-side results, as tune's does)
+    lives in the object store instead, which Ray warns about on every such actor (core_worker.cc: "constructor
+    arguments in the object store and max_restarts > 0", ray-project/ray#53727, since losing them makes the
+    restart fail). Bound here, a restart always finds the stage and nothing is logged."""
+
+    class BoundStageActor(StageActor):
+        def __init__(self, threads: int):
+            super().__init__(stage, threads)
+
+    BoundStageActor.__name__ = BoundStageActor.__qualname__ = f"StageActor[{stage.name}]"
+    return BoundStageActor
+
+
 class RayActorPool:
     """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
     models once. A killed actor is restarted and its in-flight shard retried (``resources().max_retries``); an
@@ -108,16 +144,14 @@ class RayActorPool:
 
         res = stage.resources()
         place = plan_workers(res.num_workers, res.cpus_per_worker)
-        actor_cls = ray.remote(StageActor).options(
+        actor_cls = ray.remote(bound_actor_class(stage)).options(
             num_gpus=place.num_gpus, num_cpus=place.num_cpus,
             max_restarts=res.max_retries, max_task_retries=res.max_retries)
         threads = max(1, int(place.num_cpus))
-        actors = [actor_cls.remote(stage, threads) for _ in range(min(place.num_workers, len(tasks)))]
+        actors = [actor_cls.remote(threads) for _ in range(min(place.num_workers, len(tasks)))]
         infos = ray.get([a.info.remote() for a in actors])
         for info in infos:
-            shown = " ".join(f"{k}={json.dumps(v)}" for k, v in info.items()
-                             if k not in ("identity", "pid", "node_id", "gpu_ids"))
-            log(stage.name).info(f"worker {info['identity']} pid={info['pid']} {shown}")
+            log(stage.name).info(worker_line(info))
         queue = list(tasks)
         inflight = {}
         failures: List[str] = []
@@ -148,6 +182,15 @@ class RayActorPool:
         for a in actors:
             ray.kill(a)
         return Execution(infos, failures)
+
+
+def worker_line(info: Dict[str, Any]) -> str:
+    """One short line per started worker: its identity, pid and the stage's scalar facts (device, a cost summary).
+    Structured values (a whole cost profile) stay in the stage's summary.json (``workers``): printed, they were a
+    raw JSON dump 600 characters long."""
+    shown = " ".join(f"{k}={v}" for k, v in info.items()
+                     if k not in ("identity", "pid", "node_id", "gpu_ids") and isinstance(v, (str, int, float)))
+    return f"worker {info['identity']} pid={info['pid']} {shown}".rstrip()
 
 
 def execute(stage: ShardStage):

@@ -10,9 +10,11 @@ import hashlib
 import json
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from pipeline.io.shards import META_PREFIX
+from pipeline.runtime.config import LOGITS_PRECISIONS
 
 PROMPTS_SCHEMA_VERSION = "1"
 LABELS_SCHEMA_VERSION = "3"
@@ -21,6 +23,40 @@ LABELS_SCHEMA_VERSION = "3"
 # the per-step trace columns (TRACE_COLUMNS) after v2's.
 READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2", "3")
 LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32(), "3": pa.float32()}
+
+# The precision the stored logits are rounded to (label.logits_precision; shard metadata `logits_precision`, absent
+# in shards written before it = fp16). Both are stored in v3's float32 column, not as raw 16-bit patterns: Parquet
+# and Arrow have no bfloat16, a uint16 column of bit patterns would make every reader decode it, and float32 holding
+# bf16 values costs no more on disk, since byte-stream-split makes the two low bytes (always zero) one constant
+# stream each (benchmarks/results/label-wide-vocab.md). A reader of a bf16 set therefore does nothing different; the
+# high 16 bits of each float32 are its bfloat16 bit pattern, so torch's .to(torch.bfloat16) of the values is exact.
+LOGITS_PRECISION_DOCS = {
+    "fp16": "rounded to float16 (10 mantissa bits, |error| <= 2^-11 relative; values beyond +-65,504 overflow and "
+            "reject the prompt): the default, and what every set before the key holds",
+    "bf16": "rounded to bfloat16 (7 mantissa bits, |error| <= 2^-8 relative, float32's range): ~22 % fewer bytes "
+            "per row than fp16 (~209 vs ~268 KB at V = 151,936, benchmarks/results/label-wide-vocab.md)",
+}
+
+
+def round_logits(x: np.ndarray, precision: str) -> np.ndarray:
+    """``x`` as float32 holding its values rounded to ``precision`` (round to nearest, ties to even, as torch's
+    casts), the form label shards store. NaN stays NaN; a finite value past the precision's range becomes inf."""
+    x = np.asarray(x, dtype=np.float32)
+    if precision == "fp16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    if precision != "bf16":
+        raise ValueError(f"logits precision {precision!r}, expected one of {', '.join(LOGITS_PRECISIONS)}")
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
+    return np.where(np.isnan(x), x, rounded)  # the carry could turn a NaN's payload into inf
+
+
+def at_precision(x: np.ndarray, precision: str) -> np.ndarray:
+    """Per value of ``x`` (float32): whether it is exactly representable at ``precision``, i.e. what the writer
+    stores (non-finite values count as representable: validate reports them on their own)."""
+    x = np.asarray(x, dtype=np.float32)
+    return (round_logits(x, precision) == x) | ~np.isfinite(x)
 
 
 def prompt_id(source: str, text: str) -> str:
@@ -50,9 +86,9 @@ LABEL_COLUMNS: List[tuple] = [
     ("prompt_tokens", pa.int32(), "Number of prompt tokens the target read."),
     ("logits", lambda v: pa.list_(pa.float32(), v),
      "fixed_size_list<float32>[V]: the target's RAW logits at the last prefill position over the full vocabulary "
-     "(rounded to float16 precision, stored as float32 so that every Parquet reader reads it; schema v1 stored "
-     "float16) "
-     "(before temperature or softmax); the policy's input feature."),
+     "(before temperature or softmax); the policy's input feature. Rounded to the precision in metadata "
+     "`blockpilot.logits_precision` (fp16, the default, or bf16; see \"Logits precision\") and stored as float32 "
+     "whatever the precision, so that every Parquet reader reads the values as they are (schema v1 stored float16)."),
     ("candidates", pa.list_(pa.int16()), "Candidate block sizes b = B-k .. B+k, ascending. The lists below align "
      "with it."),
     ("tau", pa.list_(pa.float32()), "Acceptance length at each candidate: mean tokens committed per verify step, "
@@ -184,6 +220,8 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "max_new_tokens": "Generation cap per decode (the trace's too).",
     "trace_block_size": "b_max the per-step traces are drafted at (label.trace_block_size; null there = 2B).",
     "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
+    "logits_precision": "fp16 or bf16 (label.logits_precision): the precision `logits` is rounded to. Shards "
+    "written before this key hold fp16.",
     "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
     "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
     "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
@@ -218,6 +256,7 @@ counts) and `_SUCCESS` when complete. Exact duplicates (same `prompt_id`) are dr
 
 def labels_card(extra: str = "") -> str:
     meta = "\n".join(f"| `{META_PREFIX}{k}` | {v} |" for k, v in LABEL_METADATA_DOCS.items())
+    precisions = "; ".join(f"`{k}`: {v}" for k, v in LOGITS_PRECISION_DOCS.items())
     return f"""# BlockPilot label dataset (schema v{LABELS_SCHEMA_VERSION})
 
 One row per accepted prompt: the target's raw last-position prefill logits and the acceptance length tau measured
@@ -236,6 +275,16 @@ column), `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, pandas, or Duck
 Schema v2 stores `logits` as float32 holding float16-rounded values (v1 stored float16, which DuckDB cannot read
 with byte-stream-split encoding). The values are the same. Schema v3 adds the `trace_*` columns at the end;
 `blockpilot validate` and `blockpilot train` read all three versions.
+
+## Logits precision
+
+`label.logits_precision` rounds the stored logits ({precisions}); the shards' metadata
+`blockpilot.logits_precision` says which (shards written before the key: fp16). The column is float32 in both, so
+a reader reads either without change. A bf16 set's values are exact bfloat16 values: the high 16 bits of each
+float32 are its bfloat16 bit pattern (`(x.view(np.uint32) >> 16).astype(np.uint16)`), and
+`torch.from_numpy(x).to(torch.bfloat16)` loses nothing. `blockpilot validate` checks that every logit is
+representable at the precision the metadata names. On disk bf16 costs ~1.33 bytes per logit against ~1.71 for
+fp16 (the float32's low bytes are constant and compress to almost nothing under byte-stream-split).
 
 ## Columns
 

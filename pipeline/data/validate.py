@@ -16,8 +16,10 @@ Every violation is one problem line that starts with the file it concerns; any p
   schema of that version (column names and types).
 * **The rows.** No nulls (but the ``trace_*`` columns of v3, null together where a row has no trace); candidates
   as in the shard's metadata; tau one value per candidate, finite and >= 1; ``label_block_size`` (with
-  ``label_index``) and ``label_speedup_block_size`` within the candidates; logits finite; prompt ids unique across
-  the whole folder (a duplicate names every file it is in). v3's trace: consistent with itself, with the row's
+  ``label_index``) and ``label_speedup_block_size`` within the candidates; logits finite and exactly at the
+  precision ``blockpilot.logits_precision`` names (fp16 where the key is absent: every set before it; bf16 sets are
+  read the same way, float32 holding bfloat16 values); prompt ids unique across the whole folder (a duplicate
+  names every file it is in). v3's trace: consistent with itself, with the row's
   new tokens and with ``max_new_tokens`` (pipeline.policy.trace.Trace.check).
 
 The logits column is checked with numpy and never converted to Python objects, so a full-vocabulary set streams.
@@ -34,7 +36,8 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from pipeline.data.schemas import LABELS_SCHEMA_VERSION, READABLE_LABELS_SCHEMA_VERSIONS, TRACE_COLUMNS, labels_schema
+from pipeline.data.schemas import (LABELS_SCHEMA_VERSION, LOGITS_PRECISION_DOCS, READABLE_LABELS_SCHEMA_VERSIONS,
+                                   TRACE_COLUMNS, at_precision, labels_schema)
 
 from pipeline.io.shards import decode_metadata
 from pipeline.io.layout import REJECTS, REJECTS_DIR
@@ -167,6 +170,10 @@ def validate_dataset(folder: str) -> ValidationReport:
             bad(f"{p.name}: schema_version {meta.get('schema_version')!r}, expected one of "
                 f"{', '.join(READABLE_LABELS_SCHEMA_VERSIONS)}")
             version = LABELS_SCHEMA_VERSION
+        precision = meta.get("logits_precision", "fp16")
+        if precision not in LOGITS_PRECISION_DOCS:
+            bad(f"{p.name}: logits_precision {precision!r}, expected one of {', '.join(LOGITS_PRECISION_DOCS)}")
+            precision = None
         vocab = meta.get("vocab_size")
         expected = labels_schema(int(vocab), version) if vocab else None
         got = pf.schema_arrow.remove_metadata()
@@ -181,12 +188,20 @@ def validate_dataset(folder: str) -> ValidationReport:
                     bad(f"{p.name}: null values in {nulls}")
                     break
                 logits = batch.column("logits").flatten().to_numpy(zero_copy_only=False)
-                finite = np.isfinite(logits.reshape(batch.num_rows, int(vocab))).all(axis=1)
+                logits = logits.reshape(batch.num_rows, int(vocab))
+                finite = np.isfinite(logits).all(axis=1)
+                # Values the declared precision cannot hold: the metadata does not describe the rows (a set
+                # assembled from two precisions, or rewritten without rounding).
+                off = ~at_precision(logits, precision).all(axis=1) if precision else np.zeros(len(finite), bool)
                 traced = TRACE_NAMES[0] in batch.schema.names
                 d = batch.select(ROW_COLUMNS + (["new_tokens"] + TRACE_NAMES if traced else [])).to_pydict()
                 if not finite.all():
                     ids = [d["prompt_id"][i] for i in np.flatnonzero(~finite)]
                     bad(f"{p.name}: {len(ids)} row(s) with non-finite logits (NaN or inf), e.g. row {ids[0]}")
+                if off.any():
+                    ids = [d["prompt_id"][i] for i in np.flatnonzero(off)]
+                    bad(f"{p.name}: {len(ids)} row(s) with logits not at the precision {precision} the metadata "
+                        f"names (blockpilot.logits_precision), e.g. row {ids[0]}")
                 for i, pid in enumerate(d["prompt_id"]):
                     rows += 1
                     if pid in first_seen:

@@ -108,5 +108,9 @@ def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Seq
     return _labels(state, candidates, per_b, step_cost, trace, trace_seconds)
 
 
-def logits_to_numpy(logits: torch.Tensor) -> np.ndarray:
-    return logits.detach().float().cpu().numpy().astype(np.float16)
+def logits_to_numpy(logits: torch.Tensor, precision: str = "fp16") -> np.ndarray:
+    """The prefill logits as the label shard stores them: float32 rounded once, from the model's float32 values, to
+    ``precision`` (label.logits_precision; pipeline.data.schemas.round_logits)."""
+    from pipeline.data.schemas import round_logits
+
+    return round_logits(logits.detach().float().cpu().numpy(), precision)

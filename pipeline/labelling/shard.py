@@ -7,7 +7,7 @@ from typing import Any, Dict, Iterable
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.schemas import labels_schema
+from pipeline.data.schemas import labels_schema, round_logits
 from pipeline.io.shards import encode_metadata
 
 
@@ -33,8 +33,10 @@ def trace_columns(out: Any) -> Dict[str, Any]:
 
 
 def label_table(rows: Iterable[Dict[str, Any]], vocab_size: int, metadata: Dict[str, Any]) -> pa.Table:
-    """The shard's table from :func:`label_row` rows, with ``metadata`` (``blockpilot.*`` keys)."""
+    """The shard's table from :func:`label_row` rows, with ``metadata`` (``blockpilot.*`` keys). The logits are
+    rounded to ``metadata["logits_precision"]`` (fp16 where absent) here, so the values always match the key."""
     schema = labels_schema(vocab_size)
+    precision = metadata.get("logits_precision", "fp16")
     columns: Dict[str, list] = {name: [] for name in schema.names}
     for row in rows:
         for name in schema.names:
@@ -42,9 +44,10 @@ def label_table(rows: Iterable[Dict[str, Any]], vocab_size: int, metadata: Dict[
     arrays = []
     for f in schema:
         if f.name == "logits":
-            # float16-rounded values (the precision of v1) stored as float32: every reader reads float32 with
-            # byte-stream-split, and the low mantissa bytes, all zero, cost almost nothing once split.
-            flat = np.concatenate(columns["logits"]).astype(np.float32) if columns["logits"] else \
+            # fp16- or bf16-rounded values stored as float32: every reader reads float32 with byte-stream-split, and
+            # the low mantissa bytes, all zero, cost almost nothing once split. Rounding values that already are at
+            # the precision (logits_to_numpy's) changes nothing.
+            flat = round_logits(np.concatenate(columns["logits"]), precision) if columns["logits"] else \
                 np.zeros(0, dtype=np.float32)
             arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), vocab_size))
         else:

@@ -2,7 +2,8 @@
 
 ``blockpilot -q`` shows warnings and the final summary only, the default shows the stages' own lines (one per
 shard, one per few epochs), ``-v`` adds debug lines and lets Ray's, Ray Train's, Ray Data's and transformers'
-own INFO logs and deprecation warnings through (they are silenced by default: they made a default run 900 lines).
+own INFO logs and deprecation warnings through (they are silenced by default: they made a default run 900 lines),
+and Ray Data's warnings; stages/ray_executor.py keeps Ray's internal lines out of a default run.
 The verbosity travels to Ray workers in the environment (``BLOCKPILOT_VERBOSITY``), which local Ray inherits.
 """
 
@@ -59,12 +60,16 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
-    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # Ray Data's execution plans, per dataset and epoch
+    # Ray Data's execution plans (per dataset and epoch, INFO) and its one-time notes, which it logs as warnings:
+    # "Progress bars disabled. To enable, set `ray.data.DataContext...`" once per process that runs a dataset (the
+    # pipeline turns the bars off itself, so the note tells a user nothing). Its errors still print.
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
     except ImportError:  # transformers absent: nothing to quiet
         pass
-    for name in ("ray", "ray.data", "ray.train", "ray.tune"):
+    for name in ("ray", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # as RAY_DATA_LOG_LEVEL above, if it is imported already

@@ -3,6 +3,10 @@ driver's view of the split (small columns only, no logits).
 
 The rows split train / calibration / val by a hash of prompt_id (:func:`pipeline.policy.blocksize.split_of`), so the
 split is the same on every run, machine and shard layout.
+
+Logits are read as float32 whatever the set's ``blockpilot.logits_precision`` (fp16 or bf16: both are stored as
+float32 holding the rounded values, pipeline.data.schemas.round_logits; schema v1's float16 is widened), so one
+reader serves every precision and the model sees exactly the stored values.
 """
 
 from __future__ import annotations

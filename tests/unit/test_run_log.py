@@ -1,0 +1,123 @@
+"""A clean default log (issue #26, item 4): none of Ray's internal lines and no raw dict or JSON dump by default;
+``-v`` lets Ray's lines through. Ray-free: what ``ray.init`` is given (stages.ray_executor.ray_init_plan), the
+environment the CLI's log setup leaves for Ray's processes, and the lines the stages format themselves, checked
+against the patterns of the Ray lines a default run printed before (copied below from such a run's log).
+"""
+
+import logging
+import os
+import re
+
+import pytest
+
+from pipeline.evaluation.table import format_rows
+from pipeline.runtime import log as bp_log
+from pipeline.runtime.config import RayConfig, load_config
+from stages.ray_executor import ray_init_plan, worker_line
+from stages.run import done_line
+
+# Lines Ray printed into a default run (2026-12-01, 674 s) and the patterns that must match none of ours.
+RAY_LINES = [
+    "[2026-12-01 13:47:18,258 E 23313 23340] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' and ID: "
+    "'c7de592be43d4151bdd0827501000000' has constructor arguments in the object store and max_restarts > 0.",
+    "(raylet) WARNING: 8 PYTHON worker processes have been started on node: 3ffdd02c with address: 10.0.150.21.",
+    "Progress bars disabled. To enable, set `ray.data.DataContext.get_current().enable_progress_bars = True`.",
+]
+RAY_PATTERNS = [re.compile(p) for p in (r"core_worker\.cc", r"PreemptionWatcher", r"^\(raylet\)",
+                                        r"PYTHON worker processes", r"^Progress bars disabled", r"DataContext")]
+DICT_REPR = re.compile(r"\{['\"]?\w+['\"]?: ")  # {4: 19, ...} or {"rounds": 5, ...}
+
+
+def problems(lines):
+    """The lines of a log that are Ray's internals or a raw dict / JSON dump."""
+    return [ln for ln in lines if ln.lstrip().startswith(("{", "[{")) or DICT_REPR.search(ln)
+            or any(p.search(ln) for p in RAY_PATTERNS)]
+
+
+def test_the_check_catches_the_lines_a_default_run_printed():
+    assert problems(RAY_LINES) == RAY_LINES
+    dumped = ['{', '  "stage": "run",', "[label] label histogram {4: 19, 5: 18}; mean tau {4: 2.9481}",
+              '[label] worker n/cpu-1 pid=7 step_cost_seconds={"4": 0.007137}']
+    assert problems(dumped) == [dumped[0], dumped[2], dumped[3]]  # '  "stage"' alone is no dump's first line
+
+
+# ---- what ray.init gets --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", [None, "local"])
+def test_a_local_ray_has_no_preemption_watcher_and_quiet_ray_logs(address):
+    kwargs, env = ray_init_plan(RayConfig(address=address, num_cpus=3), verbosity=0, environ={})
+    assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"  # its actor's creation logged a core_worker.cc line
+    assert kwargs["num_cpus"] == 3 and kwargs["address"] == address
+    assert kwargs["logging_level"] == logging.WARNING and kwargs["include_dashboard"] is False
+    assert kwargs["log_to_driver"] is True  # the actors' own lines (and tracebacks) still reach the terminal
+
+
+def test_a_cluster_keeps_its_preemption_watcher_and_verbose_lets_ray_info_through():
+    kwargs, env = ray_init_plan(RayConfig(address="ray://head:10001"), verbosity=1, environ={})
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in env  # a cluster's nodes can be drained
+    assert kwargs["address"] == "ray://head:10001" and "num_cpus" not in kwargs
+    assert kwargs["logging_level"] == logging.INFO
+    kwargs, env = ray_init_plan(RayConfig(), verbosity=0, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
+    assert kwargs["address"] == "10.0.0.1:6379" and "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in env
+
+
+@pytest.fixture
+def clean_log(monkeypatch):
+    """setup() writes os.environ and the blockpilot logger: undo both."""
+    for k in ("RAY_DATA_LOG_LEVEL", bp_log.ENV, "PYTHONWARNINGS", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(k, raising=False)
+    logger = logging.getLogger(bp_log.ROOT)
+    handlers, level = list(logger.handlers), logger.level
+    levels = {n: logging.getLogger(n).level for n in ("ray", "ray.data", "ray.train", "ray.tune")}
+    yield
+    logger.handlers[:], logger.level = handlers, level
+    for n, lv in levels.items():
+        logging.getLogger(n).setLevel(lv)
+
+
+def test_default_verbosity_quiets_ray_data_notes_and_verbose_does_not(clean_log):
+    bp_log.setup(0)
+    assert os.environ["RAY_DATA_LOG_LEVEL"] == "ERROR"  # the "Progress bars disabled" note is a warning
+    assert logging.getLogger("ray.data").level == logging.ERROR
+    os.environ.pop("RAY_DATA_LOG_LEVEL")
+    bp_log.setup(1)
+    assert "RAY_DATA_LOG_LEVEL" not in os.environ  # -v: Ray Data's own level, its notes print
+
+
+def test_a_users_ray_data_level_wins(clean_log, monkeypatch):
+    monkeypatch.setenv("RAY_DATA_LOG_LEVEL", "INFO")
+    bp_log.setup(0)
+    assert os.environ["RAY_DATA_LOG_LEVEL"] == "INFO"
+
+
+# ---- the lines the stages print --------------------------------------------------------------------------------
+
+def test_worker_lines_are_short_and_hold_no_dict():
+    info = {"identity": "130a9b7a80a2/cpu-df3198d1", "pid": 23075, "node_id": "130a9b7a80a2" * 4, "gpu_ids": [],
+            "device": "cpu/float32", "step_ms": "7.137..8.133 at b=4..12 (profiled in 52.1 s, 5 rounds)",
+            "step_cost_seconds": {4: 0.007137, 12: 0.008133},
+            "cost_profile": {"rounds": 5, "stable": False, "fit": {"draft": {"intercept": 0.0022}}}}
+    line = worker_line(info)
+    assert line == ("worker 130a9b7a80a2/cpu-df3198d1 pid=23075 device=cpu/float32 "
+                    "step_ms=7.137..8.133 at b=4..12 (profiled in 52.1 s, 5 rounds)")
+    assert problems([line]) == []
+
+
+def test_the_label_summary_line_is_not_a_dicts_repr(tmp_path):
+    from stages.label import LabelStage
+
+    stage = LabelStage(load_config([f"output_dir={tmp_path}"]))
+    lines = stage.summary_lines({"rows": 3, "label_histogram": {4: 1, 8: 2}, "mean_tau": {4: 2.9481, 8: 4.3461}})
+    assert lines == ["label histogram (b:rows) 4:1 8:2; mean tau (b:tau) 4:2.95 8:4.35"]
+    assert problems(lines) == []
+
+
+def test_the_runs_closing_lines():
+    line = done_line(674.0, {"prepare": 2.21, "label": 213.94, "report": 1.5})
+    assert line == "done in 674.0 s (prepare 2.2 s, label 213.9 s, report 1.5 s)"
+    rows = [{"row": "adaptive (policy + rule)", "method": "adaptive", "modelled": 1.821, "wall": 1.621,
+             "gain": 0.006, "gain_ci95": [-0.001, 0.0151], "gain_on": "modelled", "baseline_b": 9},
+            {"row": "train-chosen b=9", "method": "b=9", "modelled": 1.81, "wall": 1.534, "gain": 0.0,
+             "gain_ci95": None, "gain_on": "modelled", "baseline_b": 9}]
+    table = format_rows(rows).splitlines()
+    assert len(table) == 3 and problems([line, *table]) == []

@@ -49,6 +49,7 @@ class ConfigError(ValueError):
 # from here). train.input_transform's list is pipeline.policy.blocksize.TRANSFORMS (see _choices).
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LABEL_MODES = ("auto", "exhaustive", "replay")
+LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 LABEL_KINDS = ("tau", "speedup")
 SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
@@ -130,21 +131,19 @@ class PrepareConfig:
 
 @dataclass
 class LabelConfig:
-    # Trained block size B; None = read from the draft's config.
-    block_size: Optional[int] = None
-    # Candidates are B-k .. B+k.
-    k: int = 4
+    block_size: Optional[int] = None  # trained block size B; None = read from the draft's config
+    k: int = 4  # candidates are B-k .. B+k
     # Label actors: without GPUs this many CPU actors (None = the cluster's CPUs less one); with GPUs one actor per
     # GPU, at most this many (None = every GPU).
     num_workers: Optional[int] = 2
-    # One of LABEL_MODES: auto (= replay at T = 0, else exhaustive) | exhaustive | replay.
-    mode: str = "auto"
-    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py), within a shard; 1 = batch-1 replay.
-    # Exhaustive mode is always batch-1. A batch that fails is retried prompt by prompt.
+    mode: str = "auto"  # one of LABEL_MODES: auto (= replay at T = 0, else exhaustive) | exhaustive | replay
+    # Prompts per actor forward in replay mode (pipeline/labelling/batched.py; exhaustive mode is batch-1), within a
+    # shard; 1 = batch-1 replay. A batch that fails is retried prompt by prompt.
     batch_size: int = 64
-    # Drafted b_max of the per-step trace in every row (pipeline/labelling/trace.py), the b_max tune's rules run
-    # at; None = B + B // 4 (benchmarks/results/default-trace-block-size.md).
+    # b_max of every row's per-step trace (pipeline/labelling/trace.py) and of tune's rules; None = B + B // 4.
     trace_block_size: Optional[int] = None
+    # One of LOGITS_PRECISIONS: what the stored logits are rounded to; bf16 rows are ~22 % smaller than fp16.
+    logits_precision: str = "fp16"
 
 
 @dataclass
@@ -242,8 +241,9 @@ class TuneConfig:
 
     # Step rules: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK, full,
     # learned (fitted on the train split's traces: expected committed tokens per modelled second).
-    rules: List[str] = field(default_factory=lambda: ["threshold:0.002", "threshold:0.005", "threshold:0.01",
-                                                      "threshold:0.02", "threshold:0.05", "ema:0.5:1", "learned"])
+    rules: List[str] = field(default_factory=lambda: ["full", "threshold:0.001", "threshold:0.002", "threshold:0.005",
+                                                      "threshold:0.01", "threshold:0.02", "threshold:0.05",
+                                                      "ema:0.5:1", "learned"])
     # Val prompts decoded to confirm the simulation (the chosen rule, the best of each family, the fixed b).
     limit: int = 8
     # Decoding actors, as label.num_workers.
@@ -297,7 +297,7 @@ def _choices() -> Dict[str, tuple]:
 
     return {
         "model.dtype": DTYPES,
-        "label.mode": LABEL_MODES,
+        "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES,
         "train.label": LABEL_KINDS,

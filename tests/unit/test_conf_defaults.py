@@ -70,7 +70,7 @@ def test_the_comparison_reports_a_changed_value_a_missing_key_and_an_unknown_key
         "evaluate.sources[1].split: schema 'eval' != yaml 'label'",
         "missing prepare.sources[0].limit",
         "missing train.epochs",
-        "tune.rules: schema has 7 items != yaml 8",
+        "tune.rules: schema has 9 items != yaml 10",
         "decode.stop_on_eos: schema True != yaml 1",
         "unknown ray.extra",
     ]), got

@@ -206,11 +206,15 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     axes[0][0].legend(fontsize=7)
     _save(fig, out / "per_step_traces.png")
     methods = [t["method"] for t in choice["table"]][:6]
+    # Every val prompt's simulated lengths (tune decodes only a few prompts, and only some rules).
+    simulated = tune_dir / "simulated.parquet"
+    sim = pl.from_arrow(read_table(simulated)) if simulated.exists() else df
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    top = int(df["block_size"].max())
+    top = int(sim["block_size"].max())
     for method in methods:
-        v = [x for lst in df.filter(pl.col("method") == method)["verified"].to_list() for x in lst]
-        ax.hist(v, bins=np.arange(0.5, top + 0.5), histtype="step", density=True, label=method)
+        v = [x for lst in sim.filter(pl.col("method") == method)["verified"].to_list() if lst for x in lst]
+        if v:  # a density of nothing divides by zero
+            ax.hist(v, bins=np.arange(0.5, top + 0.5), histtype="step", density=True, label=method)
     ax.set(xlabel="drafted tokens verified per step", ylabel="share of steps",
            title="Verified length per rule (held-out label prompts)")
     ax.legend(fontsize=7)

@@ -199,10 +199,13 @@ def _log_start(cfg: PipelineConfig, problem: Problem, use_gpu: bool) -> None:
     if problem.costs is not None:
         from pipeline.policy.labels import speed_label
 
+        def plain(h):  # b:rows, in order: a log line, not a dict
+            return " ".join(f"{b}:{n}" for b, n in h.items())
+
         log("train").info(f"cost profile {problem.profile_path}: ms per step "
-                          f"{[round(c * 1e3, 3) for c in problem.costs]}; label argmax tau "
-                          f"{histogram(s.y_tau, problem.candidates)} -> argmax tau/cost "
-                          f"{histogram(speed_label(s.tau, problem.costs), problem.candidates)}")
+                          f"{' '.join(f'{c * 1e3:.2f}' for c in problem.costs)}; rows per label (b:rows): argmax "
+                          f"tau {plain(histogram(s.y_tau, problem.candidates))}; argmax tau/cost "
+                          f"{plain(histogram(speed_label(s.tau, problem.costs), problem.candidates))}")
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:

@@ -30,6 +30,8 @@ from pipeline.io.shards import (fingerprint_sha256, list_shards, output_shard_pr
                                 write_jsonl_atomic)
 from pipeline.runtime.log import get as log
 
+PROGRESS_EVERY = 30.0  # seconds between progress lines off a terminal
+
 
 def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
     """Run ``stage`` to completion (or skip it when it is complete) and return its summary.
@@ -121,12 +123,15 @@ def _execute(stage: ShardStage, todo: List[ShardTask], executor) -> Execution:
     if not todo:
         return Execution([], [])
     executor = executor or LocalExecutor(stage.resources().max_retries)
-    progress = Progress(stage.name, sum(t.rows for t in todo), stage.unit, every=0, enabled=stage.cfg.progress)
+    # Off a terminal, a line every PROGRESS_EVERY seconds and at the end (one per shard made the default run's log
+    # 16 lines per stage); a failed shard always gets its line.
+    progress = Progress(stage.name, sum(t.rows for t in todo), stage.unit, every=PROGRESS_EVERY,
+                        enabled=stage.cfg.progress)
 
     def done(task: ShardTask, result: Optional[Dict[str, Any]], error: Optional[str]) -> None:
         extra = f"FAILED: {error}" if result is None else \
             f"rows={result['rows']} rejects={result['rejects']} by {result['worker']}"
-        progress.update(task.rows, f"{task.name} {extra}")
+        progress.update(task.rows, f"{task.name} {extra}", force=result is None)
 
     return executor.run(stage, todo, done)
 

@@ -98,7 +98,9 @@ class TuneStage(DecodingStage):
         return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "tune": vars(self.cfg.tune),
                 "val_fraction": self.cfg.train.val_fraction,
                 "calibration_fraction": self.cfg.train.calibration_fraction, "baseline": self.baseline,
-                "cost_profile_sha256": file_sha256(self.policy_dir / COST_PROFILE),
+                # None when missing: check() then refuses with its own message (the driver fingerprints first).
+                "cost_profile_sha256": file_sha256(self.policy_dir / COST_PROFILE)
+                if (self.policy_dir / COST_PROFILE).exists() else None,
                 "labels_manifest_sha256": file_sha256(self.labels / MANIFEST),
                 "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
 

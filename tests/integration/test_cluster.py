@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -260,6 +261,39 @@ def test_blockpilot_submit_leaves_big_untracked_folders_behind(cluster, tmp_path
     finally:
         shutil.rmtree(venv, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_blockpilot_submit_of_a_failing_job_exits_1(cluster, tmp_path):
+    """A job that fails on the cluster (label with no prompts: its own refusal, raised inside the job): submit
+    follows its logs, reports the job FAILED and exits 1; nothing is written."""
+    out = tmp_path / "run"
+    run = Run([BLOCKPILOT, "submit", "label", f"output_dir={out}", *SMALL, "--address", cluster.url,
+               "--python", PYTHON], cluster.env)
+    rc = run.wait(300)
+    assert rc == 1, run.tail(80)
+    assert re.search(r"^blockpilot submit: job \S+ ended FAILED", run.output, re.M), run.tail(80)
+    assert f"no complete output in {out / 'prompts'} (run `blockpilot prepare` first)" in run.output, run.tail(80)
+    assert not (out / "labels" / "_SUCCESS").exists()
+
+
+def test_blockpilot_submit_no_wait_prints_the_job_id_and_the_job_runs_on(cluster, tmp_path):
+    out = tmp_path / "run"
+    run = Run([BLOCKPILOT, "submit", "prepare", f"output_dir={out}", *SMALL, "--address", cluster.url,
+               "--python", PYTHON, "--no-wait"], cluster.env)
+    rc = run.wait(120)
+    assert rc == 0, run.tail(40)
+    ids = [x for x in run.lines if re.fullmatch(r"raysubmit_\w+", x)]
+    assert len(ids) == 1, run.tail(40)  # the job id, alone on its line
+    assert "following its logs" not in run.output and "succeeded" not in run.output, run.tail(40)
+    # The job runs on without anyone following it: wait for its end (ray job logs -f returns when it ends).
+    logs = subprocess.run([RAY, "job", "logs", "-f", ids[0], "--address", cluster.url], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=cluster.head_env())
+    status = subprocess.run([RAY, "job", "status", ids[0], "--address", cluster.url], capture_output=True,
+                            text=True, timeout=60, cwd=REPO, env=cluster.head_env())
+    assert f"Job '{ids[0]}' succeeded" in status.stdout + status.stderr, status.stdout + status.stderr + logs.stdout
+    assert "[prepare] done: 16 rows in 2 shard(s)" in logs.stdout, logs.stdout
+    assert (out / "prompts" / "_SUCCESS").exists()
+    assert json.loads((out / "prompts" / "manifest.json").read_text())["rows"] == 16
 
 
 def test_teardown_leaves_no_cluster_process(cluster):

@@ -4,6 +4,7 @@ A toy stage squares integers: input shards of numbers -> output shards of square
 (rejected with its id), and chosen shards fail on purpose. Every test runs the real driver on real Parquet files.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -119,7 +120,10 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     assert m["rows"] == 7 and m["shards"] == 3 and m["rejects"] == 2 and m["rejects_file"] == "rejects.jsonl"
     assert m["rejects_by_reason"] == {"empty": 1, "negative": 1} and m["rejects_by_source"] == {"toy": 2}
     assert m["rejects_by_worker"] == {"driver": 1}  # the input reject names no worker
-    assert m["fingerprint"] == {"power": 2, "schema_version": "7"} and len(m["fingerprint_sha256"]) == 64
+    assert m["fingerprint"] == {"power": 2, "schema_version": "7"}
+    assert json.loads((out / "fingerprint.json").read_text()) == m["fingerprint"]
+    # the fingerprint's sha256: of its canonical JSON (sorted keys, compact), recomputed here
+    assert m["fingerprint_sha256"] == hashlib.sha256(b'{"power": 2, "schema_version": "7"}').hexdigest()
     assert m["summary"] == {"sum_of_squares": 1 + 4 + 9 + 16 + 36 + 49 + 64}
     # rejects: one file per shard (written before the shard), the input rejects, and all of them in one file
     assert (out / REJECTS_DIR / "part-00001.jsonl").read_text().count("\n") == 1
@@ -132,7 +136,10 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     # every shard carries the stamp the done check reads
     meta = decode_metadata(pq.read_schema(out / "part-00001.parquet").metadata)
     assert meta["fingerprint_sha256"] == m["fingerprint_sha256"] and meta["input_shard"] == "part-00001.parquet"
-    assert meta["stage"] == "squares" and len(meta["config_sha256"]) == 64 and "package_version" in meta
+    assert meta["stage"] == "squares" and "package_version" in meta
+    # the resolved config's sha256: of config.yaml's bytes, as config.sha256 records it
+    config_sha = hashlib.sha256((out / "config.yaml").read_bytes()).hexdigest()
+    assert meta["config_sha256"] == config_sha == (out / "config.sha256").read_text().strip()
     # the summary, the card (with the shared layout section), the resolved config, _SUCCESS
     saved = json.loads((out / "summary.json").read_text())
     assert saved["rows"] == summary["rows"] == 7 and summary["rejects"] == 2 and summary["status"] == "done"

@@ -57,8 +57,12 @@ CODE = {"jobs/prepare.py", "pipeline/__init__.py", "conf/default.yaml", ".gitign
 
 
 def _ray_zip_names(plan: submit.UploadPlan, tmp: Path):
-    """What Ray's own packaging zips for this plan (the defaults Ray adds, then the plan's excludes)."""
-    packaging = pytest.importorskip("ray._private.runtime_env.packaging")
+    """What Ray's own packaging zips for this plan (the defaults Ray adds, then the plan's excludes).
+
+    Imported plainly, not skipped when missing: Ray is pinned, and the upload plan claims to predict exactly this
+    private function's zip, so a Ray whose packaging moved must fail here rather than pass unchecked."""
+    from ray._private.runtime_env import packaging
+
     target = tmp / "pkg.zip"
     packaging.create_package(str(plan.root), target, include_gitignore=True,
                              excludes=submit._ray_default_excludes() + plan.excludes)
@@ -156,6 +160,43 @@ def test_config_in_an_excluded_folder_or_bad_config_is_refused(tmp_path, capsys)
     assert "not uploaded" in capsys.readouterr().err
     assert main(["submit", "prepare", "no_such_key=1", "--working-dir", str(root), "--dry-run"]) == 2
     assert "no_such_key" in capsys.readouterr().err
+
+
+@needs_git
+def test_a_missing_config_file_is_refused_before_contacting_the_cluster(tmp_path, capsys):
+    root = _checkout(tmp_path / "repo", git=True)
+    for missing in (tmp_path / "nowhere.yaml", root / "conf" / "nowhere.yaml"):  # outside and inside the checkout
+        rc = main(["submit", "prepare", "-c", str(missing), "output_dir=/shared/r", "--working-dir", str(root),
+                   "--address", "http://127.0.0.1:9"])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert f"blockpilot submit: error: config file not found: {missing}" in err
+        assert "entrypoint" not in err and "uploading" not in err  # refused before the plan is shown or sent
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    return port
+
+
+@needs_git
+def test_an_unreachable_address_exits_1_naming_it(tmp_path, capsys):
+    """Real Ray job client against a port nothing listens on: exit 1 (not 2: the config was fine), the address
+    named, no traceback, and with --no-wait too (no job id printed)."""
+    root = _checkout(tmp_path / "repo", git=True)
+    address = f"http://127.0.0.1:{_closed_port()}"
+    for extra in ([], ["--no-wait"]):
+        rc = main(["submit", "prepare", "output_dir=/shared/r", "--working-dir", str(root), "--address", address,
+                   *extra])
+        out, err = capsys.readouterr()
+        assert rc == 1, err
+        assert f"blockpilot submit: error: submitting to {address} failed: " in err
+        assert "Traceback" not in err and out == ""
 
 
 def test_address_and_entrypoint(monkeypatch):

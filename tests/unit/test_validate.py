@@ -278,3 +278,191 @@ def test_a_schema_v2_set_still_validates(labels, capsys):
         pq.write_table(t.drop_columns(TRACE).replace_schema_metadata(meta), labels / name)
         refresh_manifest(labels, name)
     assert validate(labels, capsys) == (0, [])
+
+
+# ---- the folder's own files: manifest, reject files (issue #25, item 8) --------------------------------------------
+
+def test_manifest_missing(labels, capsys):
+    (labels / MANIFEST).unlink()
+    msg = only_problem(labels, capsys)
+    assert msg == "manifest.json is missing (the label stage has not finished)"
+
+
+@pytest.mark.parametrize("text, defect", [
+    ("{not json", "is not valid JSON"),
+    (json.dumps({"rows": 8}), "no valid 'files' list"),
+    (json.dumps({"rows": 8, "files": [{"rows": 4}]}), "no valid 'files' list"),  # an entry without a file name
+])
+def test_manifest_invalid(labels, capsys, text, defect):
+    (labels / MANIFEST).write_text(text)
+    msg = only_problem(labels, capsys)
+    assert msg.startswith("manifest.json") and defect in msg, msg
+
+
+def test_reject_file_missing(labels, capsys):
+    (labels / "_rejects" / "part-00001.jsonl").unlink()
+    msg = only_problem(labels, capsys)
+    assert msg.startswith(S1) and "reject file _rejects/part-00001.jsonl is missing" in msg
+
+
+def test_reject_file_invalid(labels, capsys):
+    (labels / "_rejects" / "part-00000.jsonl").write_text('{"prompt_id": "x", "reason": \n')
+    msg = only_problem(labels, capsys)
+    assert msg.startswith(S0) and "reject file _rejects/part-00000.jsonl is not valid JSON lines" in msg
+
+
+def test_folder_reject_log_invalid(labels, capsys):
+    (labels / "rejects.jsonl").write_text("not json\n")
+    msg = only_problem(labels, capsys)
+    assert msg.startswith("rejects.jsonl is not valid JSON lines"), msg
+
+
+def test_reject_count_differs_from_the_manifest(labels, capsys):
+    """One row rejected (3 rows + 1 reject = its 4 inputs, so the accounting holds), the manifest's count says 0."""
+    dropped = first_id(labels, S1, 3)
+    rewrite(labels, S1, lambda t: t.slice(0, 3))
+    (labels / "_rejects" / "part-00001.jsonl").write_text(
+        json.dumps({"prompt_id": dropped, "reason": "decode_error", "detail": "x"}) + "\n")
+    assert entry(load_manifest(labels), S1)["rejects"] == 0
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S1}: reject file _rejects/part-00001.jsonl holds 1 reject(s), manifest says 0"
+
+
+# ---- the schema ----------------------------------------------------------------------------------------------------
+
+def _with_metadata(key: str, value):
+    def change(t):
+        meta = dict(t.schema.metadata)
+        meta[f"blockpilot.{key}".encode()] = json.dumps(value).encode()
+        return t.replace_schema_metadata(meta)
+    return change
+
+
+def test_wrong_schema_version(labels, capsys):
+    p = labels / S0
+    pq.write_table(_with_metadata("schema_version", "9")(pq.read_table(p)), p)
+    refresh_manifest(labels, S0)
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S0}: schema_version '9', expected one of 1, 2, 3"
+
+
+def test_a_column_of_another_type_is_a_wrong_schema(labels, capsys):
+    p = labels / S1
+    t = pq.read_table(p)
+    i = t.schema.get_field_index("label_index")
+    t = t.set_column(i, pa.field("label_index", pa.int32()), t.column(i).cast(pa.int32()))  # int64 -> int32
+    pq.write_table(t, p)
+    refresh_manifest(labels, S1)
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S1}: schema does not match label schema v3"
+
+
+def test_an_extra_column_is_a_wrong_schema(labels, capsys):
+    p = labels / S0
+    t = pq.read_table(p)
+    pq.write_table(t.append_column("extra", pa.array([1] * t.num_rows)), p)
+    refresh_manifest(labels, S0)
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S0}: schema does not match label schema v3"
+
+
+# ---- the rows ------------------------------------------------------------------------------------------------------
+
+def test_nulls_outside_the_trace_columns(labels, capsys):
+    rewrite(labels, S1, lambda t: set_row(t, "label_speedup_block_size", 2, None))
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S1}: null values in {{'label_speedup_block_size': 1}}"
+
+
+def test_candidates_differ_from_the_metadata(labels, capsys):
+    """One row's candidates reversed, its label index moved with them: only the candidates are wrong."""
+    pid = first_id(labels, S0, 1)
+
+    def reverse(t):
+        cands = t.column("candidates")[1].as_py()
+        li = t.column("label_index")[1].as_py()
+        t = set_row(t, "candidates", 1, cands[::-1])
+        return set_row(t, "label_index", 1, len(cands) - 1 - li)
+
+    rewrite(labels, S0, reverse)
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S0}: row {pid} candidates [10, 9, 8, 7, 6] differ from the metadata [6, 7, 8, 9, 10]"
+
+
+def test_tau_length_differs_from_the_candidates(labels, capsys):
+    pid = first_id(labels, S1, 0)
+    rewrite(labels, S1, lambda t: set_row(t, "tau", 0, t.column("tau")[0].as_py()[:-1]))
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S1}: row {pid} has 4 tau values for 5 candidates"
+
+
+@pytest.mark.parametrize("shift", [1, 5])  # another candidate's index; past the end
+def test_label_index_inconsistent_with_the_label(labels, capsys, shift):
+    pid = first_id(labels, S0, 2)
+    t0 = pq.read_table(labels / S0)
+    lb, li = t0.column("label_block_size")[2].as_py(), t0.column("label_index")[2].as_py()
+    bad = (li + shift) % 5 if shift < 5 else li + shift
+    rewrite(labels, S0, lambda t: set_row(t, "label_index", 2, bad))
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S0}: row {pid} label {lb} (index {bad}) not within candidates [6, 7, 8, 9, 10]"
+
+
+def test_speed_label_outside_the_candidates(labels, capsys):
+    pid = first_id(labels, S1, 2)
+    rewrite(labels, S1, lambda t: set_row(t, "label_speedup_block_size", 2, 99))
+    msg = only_problem(labels, capsys)
+    assert msg == f"{S1}: row {pid} speedup label 99 not within candidates [6, 7, 8, 9, 10]"
+
+
+# ---- a v1 label set: validate and train's readers read it -----------------------------------------------------------
+
+def _as_v1(labels: Path) -> Path:
+    """The real rows as schema v1 stored them: float16 logits, no trace columns, schema_version "1" (the schema
+    built from pipeline.data.schemas, the rows cast to it)."""
+    from pipeline.data.schemas import labels_schema
+
+    for name in (S0, S1):
+        t = pq.read_table(labels / name)
+        meta = dict(t.schema.metadata)
+        meta[b"blockpilot.schema_version"] = json.dumps("1").encode()
+        vocab = json.loads(meta[b"blockpilot.vocab_size"])
+        v1 = labels_schema(vocab, "1")
+        assert v1.field("logits").type.value_type == pa.float16() and "trace_match" not in v1.names
+        pq.write_table(t.select(v1.names).cast(v1).replace_schema_metadata(meta), labels / name)
+        refresh_manifest(labels, name)
+    return labels
+
+
+def test_a_schema_v1_set_validates_and_trains_reader_reads_it(labels, capsys):
+    from dataclasses import replace
+
+    from pipeline.runtime.config import TrainConfig
+    from pipeline.training.data import LABEL_COLUMN, read_logits, to_arrays
+    from pipeline.training.problem import load_problem
+
+    original = {n: pq.read_table(labels / n) for n in (S0, S1)}
+    _as_v1(labels)
+    assert pq.read_schema(labels / S0).field("logits").type.value_type == pa.float16()
+    assert validate(labels, capsys) == (0, [])
+    # A v1 shard marked as v3 is not: the version decides the schema it is checked against.
+    for version in ("3", "1"):
+        pq.write_table(_with_metadata("schema_version", version)(pq.read_table(labels / S1)), labels / S1)
+        refresh_manifest(labels, S1)
+        if version == "3":
+            assert only_problem(labels, capsys) == f"{S1}: schema does not match label schema v3"
+    assert validate(labels, capsys) == (0, [])
+
+    # train's driver-side reader: the problem (candidates, splits, baselines) and the logits, as float32.
+    problem = load_problem(replace(TrainConfig(), val_fraction=0.25), labels)
+    assert problem.candidates == [6, 7, 8, 9, 10] and len(problem.splits.split) == 8
+    tau = np.concatenate([np.array(original[n].column("tau").to_pylist(), dtype=np.float32) for n in (S0, S1)])
+    assert np.array_equal(problem.splits.tau, tau)
+    want = np.concatenate([np.stack(original[n].column("logits").to_numpy(zero_copy_only=False)) for n in (S0, S1)])
+    got = read_logits(problem.shards)
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float16).astype(np.float32))
+    # and the workers' batch conversion, on a batch of the v1 shard as read
+    batch = pq.read_table(labels / S0, columns=["logits", "tau", LABEL_COLUMN]).to_pydict()
+    batch = {k: [np.asarray(v) for v in vs] for k, vs in batch.items()}
+    x, y, t = to_arrays(batch, problem.candidates, LABEL_COLUMN)
+    assert x.dtype == np.float32 and np.array_equal(x, got[:4])
+    assert y.tolist() == original[S0].column("label_index").to_pylist()

@@ -46,8 +46,9 @@ STAGES = {
         StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
                   "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
                   "stages.train"),
-        StageInfo("tune", "choose the per-step verify rule (draft confidence / running acceptance) on the label "
-                  "set's held-out prompts by modelled time (output_dir/tune/step_rule.json)",
+        StageInfo("tune", "choose the per-step verify rule (threshold, running acceptance, or learned from the "
+                  "labels' traces): every rule simulated on the label set's held-out prompts by modelled time, the "
+                  "best decoded to confirm (output_dir/tune/step_rule.json, verify_model.json)",
                   ("model", "decode", "tune", "workers", "ray"), "stages.tune"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
                   "on held-out prompt sets (output_dir/eval/)",

@@ -218,7 +218,7 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "candidates": "The candidate block sizes.", "temperature": "Decoding temperature (0 = greedy).",
     "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.",
     "max_new_tokens": "Generation cap per decode (the trace's too).",
-    "trace_block_size": "b_max the per-step traces are drafted at (label.trace_block_size; null there = 2B).",
+    "trace_block_size": "b_max the per-step traces are drafted at (label.trace_block_size; null there = B + B // 4).",
     "seed": "Sampling seed (T > 0).", "vocab_size": "V, the length of `logits`.",
     "logits_precision": "fp16 or bf16 (label.logits_precision): the precision `logits` is rounded to. Shards "
     "written before this key hold fp16.",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Dict, Optional
 
 import torch
@@ -49,13 +50,11 @@ class RuleFallback:
     def step_rule(self):
         return self._rule
 
-    @property
+    @cached_property
     def _rule(self):
-        cached = self.__dict__.get("_loaded")
-        if cached is None:  # loaded once (the learned rule reads a file), kept on the frozen instance
-            cached = load_rule(self.rule, self.folder)
-            object.__setattr__(self, "_loaded", cached)
-        return cached
+        """Loaded once (the learned rule reads a file); cached_property writes the instance dict, which a frozen
+        dataclass allows."""
+        return load_rule(self.rule, self.folder)
 
 
 @dataclass

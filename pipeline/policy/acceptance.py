@@ -21,6 +21,7 @@ model must serialise to plain JSON (weights, means and scales), never pickle. Pu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -85,11 +86,9 @@ class AcceptanceModel:
             return q
         return np.interp(q, self._knots[0], self._knots[1])
 
-    @property
+    @cached_property
     def _knots(self):
-        if "_knot_arrays" not in self.__dict__:
-            object.__setattr__(self, "_knot_arrays", (np.asarray(self.calibration_x), np.asarray(self.calibration_y)))
-        return self.__dict__["_knot_arrays"]
+        return np.asarray(self.calibration_x), np.asarray(self.calibration_y)
 
     def raw_probability(self, x: np.ndarray) -> np.ndarray:
         """The logistic's q of feature rows x [N, F] (before the recalibration)."""

@@ -15,6 +15,7 @@ the number of drafted tokens to verify) and ``describe()`` (a JSON-able dict, re
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any, Dict, Sequence, Tuple
 
 import torch
@@ -123,15 +124,11 @@ class LearnedVerify:
         gain[np.arange(W)[None, :] >= np.asarray(width)[:, None]] = -np.inf
         return gain.argmax(axis=1) + 1
 
-    @property
+    @cached_property
     def _seconds(self):
         import numpy as np
 
-        cached = self.__dict__.get("_seconds_array")
-        if cached is None:
-            cached = np.asarray(self.step_seconds, dtype=np.float64)
-            object.__setattr__(self, "_seconds_array", cached)
-        return cached
+        return np.asarray(self.step_seconds, dtype=np.float64)
 
     def verify_length(self, confidence: torch.Tensor, committed: Sequence[int]) -> int:
         """One step: :meth:`lengths`' arithmetic, op for op, on one row: a rule runs once per decode step, and the

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.schemas import labels_schema, round_logits
-from pipeline.io.shards import encode_metadata
+from pipeline.io.shards import decode_metadata, encode_metadata
 
 
 def label_row(rec: Dict[str, Any], out: Any, logits: np.ndarray, worker: str) -> Dict[str, Any]:
@@ -58,9 +58,32 @@ def label_table(rows: Iterable[Dict[str, Any]], vocab_size: int, metadata: Dict[
 def parquet_options(table: pa.Table) -> Dict[str, Any]:
     """Byte-stream-split logits and trace confidences (~10 % fewer trace bytes than plain zstd: the probabilities'
     exponent bytes compress apart), dictionary-coded strings, and row groups of ~128 MB of logits, so that a
-    reader's memory stays bounded at a full vocabulary."""
+    reader's memory stays bounded at a full vocabulary.
+
+    bf16 logits are brotli-coded (quality 10) where everything else is zstd: once split, their sign-and-exponent
+    stream holds ~2 bits of entropy a value, which zstd's Huffman literals code in ~2.6 and brotli's in ~2.0. That
+    is what takes a row at V = 151,936 under 200 KB; it costs write time, not read time
+    (benchmarks/results/label-wide-vocab.md). Every Parquet reader decodes brotli."""
     vocab = table.schema.field("logits").type.list_size
     split = ["logits.list.element"] + (["trace_confidence.list.element.list.element"]
                                        if "trace_confidence" in table.schema.names else [])
-    return dict(compression="zstd", use_byte_stream_split=split, use_dictionary=["source", "worker"],
+    compression: Any = "zstd"
+    level: Any = None
+    if decode_metadata(table.schema.metadata).get("logits_precision") == "bf16":
+        compression = {path: "zstd" for path in leaf_paths(table.schema)} | {"logits.list.element": "brotli"}
+        level = {path: (10 if codec == "brotli" else pa.Codec.default_compression_level("zstd"))
+                 for path, codec in compression.items()}
+    return dict(compression=compression, compression_level=level, use_byte_stream_split=split,
+                use_dictionary=["source", "worker"],
                 row_group_size=max(1, min(max(1, table.num_rows), (128 << 20) // (4 * vocab))))
+
+
+def leaf_paths(schema: pa.Schema) -> list:
+    """Parquet's dotted leaf-column paths (``logits.list.element``): what per-column write options are keyed on."""
+    def walk(name: str, t: pa.DataType):
+        if pa.types.is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_large_list(t):
+            return walk(f"{name}.list.element", t.value_type)
+        if pa.types.is_struct(t):
+            return [p for f in t for p in walk(f"{name}.{f.name}", f.type)]
+        return [name]
+    return [p for f in schema for p in walk(f.name, f.type)]

@@ -215,3 +215,25 @@ def test_a_set_written_before_the_key_validates_as_fp16(label_sets, tmp_path):
     assert "logits_precision" not in decode_metadata(pq.read_schema(folder / "part-00000.parquet").metadata)
     report = validate_dataset(str(folder))
     assert report.ok, report.render()
+
+
+def test_bf16_logits_are_brotli_coded_and_every_reader_decodes_them(label_sets):
+    """The codec that takes a V = 151,936 row under 200 KB (pipeline.labelling.shard.parquet_options): brotli on the
+    bf16 logits column alone, zstd everywhere else and at fp16; polars, DuckDB and pandas read the brotli column
+    back as pyarrow does."""
+    import duckdb
+    import pandas as pd
+    import polars as pl
+
+    for p in LOGITS_PRECISIONS:
+        path = label_sets / p / "labels" / "part-00000.parquet"
+        rg = pq.ParquetFile(path).metadata.row_group(0)
+        codecs = {rg.column(i).path_in_schema: rg.column(i).compression for i in range(rg.num_columns)}
+        want = {c: "ZSTD" for c in codecs} | ({"logits.list.element": "BROTLI"} if p == "bf16" else {})
+        assert codecs == want
+        ref = np.stack(pq.read_table(path, columns=["logits"]).column("logits").to_numpy(zero_copy_only=False))
+        got = {"polars": np.stack(pl.read_parquet(path, columns=["logits"])["logits"].to_numpy()),
+               "duckdb": np.array(duckdb.sql(f"SELECT logits FROM '{path}'").fetchnumpy()["logits"].tolist()),
+               "pandas": np.stack(pd.read_parquet(path, columns=["logits"])["logits"].to_numpy())}
+        for reader, x in got.items():
+            assert np.array_equal(x.astype(np.float32), ref), (p, reader)

@@ -294,8 +294,6 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
         cap = effective_limit(src, limit)
         s_reasons: Counter = Counter()
         read = accepted = 0
-        log(f"source {src.name!r}: kind {src.kind}, path {src.path}"
-            + (f", limit {cap}" if cap is not None else ""))
 
         def reject(r: Reject) -> None:
             rejects.append(_reject_dict(src.name, r))
@@ -348,7 +346,9 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
         if accepted == 0:
             stats["notes"].append(f"source {src.name!r}: no prompt accepted")
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s_reasons.items())) or "none"
-        log(f"source {src.name!r}: {read} rows read, {accepted} accepted, rejects: {reasons}"
+        # One line a source, once read: what it is and what it gave.
+        log(f"source {src.name!r} ({src.kind} {src.path}" + (f", limit {cap}" if cap is not None else "")
+            + f"): {read} rows read, {accepted} accepted, rejects: {reasons}"
             + (" (limit reached)" if limit_reached else "") + f" [{time.time() - t0:.1f}s]")
 
     stats["rejects_by_reason"] = dict(sorted(by_reason.items()))

@@ -30,7 +30,7 @@ from pipeline.io.shards import (fingerprint_sha256, list_shards, output_shard_pr
                                 write_jsonl_atomic)
 from pipeline.runtime.log import get as log
 
-PROGRESS_EVERY = 30.0  # seconds between progress lines off a terminal
+PROGRESS_EVERY = 60.0  # seconds between progress lines off a terminal
 
 
 def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
@@ -123,8 +123,8 @@ def _execute(stage: ShardStage, todo: List[ShardTask], executor) -> Execution:
     if not todo:
         return Execution([], [])
     executor = executor or LocalExecutor(stage.resources().max_retries)
-    # Off a terminal, a line every PROGRESS_EVERY seconds and at the end (one per shard made the default run's log
-    # 16 lines per stage); a failed shard always gets its line.
+    # Off a terminal, a line at most every PROGRESS_EVERY seconds (one per shard made the default run's log 16 lines
+    # per stage), none at the end (the done line follows); a failed shard always gets its line.
     progress = Progress(stage.name, sum(t.rows for t in todo), stage.unit, every=PROGRESS_EVERY,
                         enabled=stage.cfg.progress)
 

@@ -9,8 +9,8 @@ from pipeline.runtime.log import get as log
 
 
 class Progress:
-    """Progress of a stage's shards: a tqdm bar when stdout is a terminal, else one line per update (done/total,
-    rate, ETA, what finished), which is what a log file or `ray job logs` wants."""
+    """Progress of a stage's shards: a tqdm bar when stdout is a terminal, else a line at most every ``every`` seconds
+    (done/total, rate, ETA, what finished), which is what a log file or `ray job logs` wants."""
 
     def __init__(self, name: str, total: int, unit: str = "prompts", every: float = 5.0, enabled: bool = True):
         self.name, self.total, self.unit, self.every, self.enabled = name, total, unit, every, enabled
@@ -31,7 +31,8 @@ class Progress:
                 self.bar.close()
             return
         now = time.monotonic()
-        if self.enabled and (force or now - self._last >= self.every or self.done >= self.total):
+        # Off a terminal the last update prints nothing: the stage's "done" line, which follows, says it all.
+        if self.enabled and (force or (now - self._last >= self.every and self.done < self.total)):
             self._last = now
             rate = self.done / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")

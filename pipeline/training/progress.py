@@ -36,12 +36,12 @@ def epoch_metrics(m: Dict[str, Any]) -> str:
 
 class EpochLog:
     """On the driver, while the workers train: follows metrics.jsonl and logs one line every ``every`` epochs (about
-    ten lines a run) and the last one. The driver shows the lines, since a worker's own prints reach the driver
+    five lines a run) and the last one. The driver shows the lines, since a worker's own prints reach the driver
     through Ray's log streaming once per worker and sometimes twice."""
 
     def __init__(self, path: Path, epochs: int, enabled: bool):
         self.path, self.epochs, self.enabled = path, epochs, enabled
-        self.every = max(1, epochs // 10)
+        self.every = max(1, epochs // 5)
         self.shown = -1
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)

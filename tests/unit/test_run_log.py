@@ -121,3 +121,50 @@ def test_the_runs_closing_lines():
              "gain_ci95": None, "gain_on": "modelled", "baseline_b": 9}]
     table = format_rows(rows).splitlines()
     assert len(table) == 3 and problems([line, *table]) == []
+
+
+# ---- how many lines the stages print (the default run's log is at most 60 lines) ---------------------------------
+
+def test_epoch_lines_are_five_a_run_in_a_fixed_order(tmp_path):
+    import json
+
+    from pipeline.training.progress import EpochLog
+
+    m = {"train_loss": 1.23456, "val_accuracy": 0.5, "val_tau_policy": 4.1, "val_tau_best_fixed": 4.0,
+         "val_tau_oracle": 4.5, "val_speed_gain_policy": 0.01, "val_speed_gain_oracle": 0.05, "extra": 7}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({**m, "epoch": e}) + "\n" for e in range(30)))
+    lines = EpochLog(path, 30, enabled=False).lines()
+    assert [ln.split("  ")[0] for ln in lines] == ["epoch 6/30", "epoch 12/30", "epoch 18/30", "epoch 24/30",
+                                                    "epoch 30/30"]
+    assert lines[0] == ("epoch 6/30  loss 1.2346  val acc 50.0%  tau policy 4.100  fixed b 4.000  oracle 4.500  "
+                        "modelled gain +1.00%  oracle gain +5.00%")
+    assert not problems(lines)
+
+
+def test_progress_prints_no_line_for_the_last_shard_but_always_one_for_a_failure(caplog):
+    from pipeline.executor.progress import Progress
+
+    caplog.set_level(logging.INFO, logger="blockpilot")
+    p = Progress("label", total=3, every=3600.0)
+    p._last -= 3601.0  # the first update comes after `every`: one line
+    for extra in ("a", "b", "c"):  # then nothing until `every` again, and nothing at the end: the done line says it
+        p.update(1, extra)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["1/3 prompts"]
+    p.update(0, "part-00002.parquet failed", force=True)
+    assert caplog.records[-1].getMessage().endswith("part-00002.parquet failed")
+
+
+def test_a_source_is_one_line():
+    from pipeline.data.sources import build_prompts
+    from pipeline.decoding.models import load_models
+    from pipeline.runtime.config import ModelConfig
+
+    lines = []
+    cfg = load_config()
+    tok = load_models(ModelConfig(device="cpu", dtype="float32")).tokenizer
+    build_prompts(cfg.evaluate.sources, tok, cfg.prepare.max_prompt_tokens, limit=2, log=lines.append)
+    assert len(lines) == len(cfg.evaluate.sources) >= 2
+    for src, line in zip(cfg.evaluate.sources, lines):
+        assert line.startswith(f"source {src.name!r} ({src.kind} {src.path}, limit 2): ") and \
+            "2 accepted" in line, line

@@ -132,56 +132,87 @@ def bound_actor_class(stage: ShardStage) -> type:
 
 class RayActorPool:
     """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
-    models once. A killed actor is restarted and its in-flight shard retried (``resources().max_retries``); an
-    actor that is gone for good is dropped and its shard listed as failed, and the others carry on."""
+    models once. It fails as :class:`pipeline.executor.local.LocalExecutor` does: a shard whose ``process_shard``
+    raises is retried up to ``resources().max_retries`` times, each failed attempt logged, and listed as failed
+    after the last. A killed actor is restarted and its in-flight shard rerun by Ray, up to the same limit; an
+    actor that is gone for good (its restarts used up) is dropped and its shard listed as failed, and the others
+    carry on. When none is left, the shards not done are listed as failed, each named."""
 
     def __init__(self, ray_cfg: RayConfig):
         self.ray_cfg = ray_cfg
 
     def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:
         ray = init_ray(self.ray_cfg)
-        from ray.exceptions import RayActorError, RayTaskError
 
         res = stage.resources()
         place = plan_workers(res.num_workers, res.cpus_per_worker)
+        # Ray reruns a shard whose actor died (restarting the actor first), never one that raised: that retry is
+        # _drive's, so that both executors give a raising shard the same attempts.
         actor_cls = ray.remote(bound_actor_class(stage)).options(
             num_gpus=place.num_gpus, num_cpus=place.num_cpus,
             max_restarts=res.max_retries, max_task_retries=res.max_retries)
         threads = max(1, int(place.num_cpus))
         actors = [actor_cls.remote(threads) for _ in range(min(place.num_workers, len(tasks)))]
-        infos = ray.get([a.info.remote() for a in actors])
-        for info in infos:
-            log(stage.name).info(worker_line(info))
+        try:
+            infos = ray.get([a.info.remote() for a in actors])
+            for info in infos:
+                log(stage.name).info(worker_line(info))
+            failures = self._drive(ray, stage, tasks, done, actors, [i["identity"] for i in infos])
+        finally:  # also on an error or an interrupt: a job on a long-lived cluster must not leave actors behind
+            for a in actors:
+                ray.kill(a)
+        return Execution(infos, failures)
+
+    @staticmethod
+    def _drive(ray, stage: ShardStage, tasks: List[ShardTask], done: Done, actors: list,
+               identities: List[str]) -> List[str]:
+        """Keep every live actor busy with one shard until the queue is empty; returns the failures."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        tries = stage.resources().max_retries + 1
         queue = list(tasks)
+        attempts = {t.name: 0 for t in tasks}
         inflight = {}
         failures: List[str] = []
+        live = len(actors)
 
-        def submit(actor):
+        def fail(task: ShardTask, error: str) -> None:
+            failures.append(f"{task.name}: {error}")
+            done(task, None, error)
+
+        def submit(i: int) -> None:
             task = queue.pop(0)
-            inflight[actor.process.remote(task)] = (actor, task)
+            inflight[actors[i].process.remote(task)] = (i, task)
 
-        for a in actors:
+        for i in range(len(actors)):
             if queue:
-                submit(a)
+                submit(i)
         while inflight:
             ready, _ = ray.wait(list(inflight), num_returns=1)
-            actor, task = inflight.pop(ready[0])
+            i, task = inflight.pop(ready[0])
             try:
                 done(task, ray.get(ready[0]), None)
-            except (RayActorError, RayTaskError) as err:
+            except RayTaskError as err:  # process_shard raised: the actor is fine, the shard may be retried
+                cause = err.cause  # the shard's own exception, worded as LocalExecutor words it
+                error = f"{type(cause).__name__}: {cause}"
+                attempts[task.name] += 1
+                log(stage.name).warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: {error}")
+                if attempts[task.name] < tries:
+                    queue.insert(0, task)  # next, on the same actor: LocalExecutor retries a shard at once
+                else:
+                    fail(task, error)
+            except RayActorError as err:  # Ray restarted the actor until max_restarts: it is gone for good
+                live -= 1
                 error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-                failures.append(f"{task.name}: {error}")
-                done(task, None, error)
-                if isinstance(err, RayActorError):  # restarts exhausted: this actor is gone for good
-                    actor = None
-            if queue and actor is not None:
-                submit(actor)
-            if not inflight and queue:  # every actor is gone: what is left fails, a rerun picks it up
-                failures.extend(f"{t.name}: no worker left" for t in queue)
-                queue.clear()
-        for a in actors:
-            ray.kill(a)
-        return Execution(infos, failures)
+                log(stage.name).warning(f"{task.name} failed: worker {identities[i]} died and has no restart left "
+                                        f"(max_restarts={tries - 1}); dropped, {live} worker(s) left")
+                fail(task, error)
+                i = None
+            if queue and i is not None:
+                submit(i)
+        for task in queue:  # every actor is gone for good: what is left fails now, and a rerun picks it up
+            fail(task, f"not run: no worker left ({len(actors)} dropped, their restarts used up)")
+        return failures
 
 
 def worker_line(info: Dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ import os
 import uuid
 from typing import Optional, Tuple
 
-from pipeline.io.storage import is_remote, location
+from pipeline.io.storage import is_remote, location, raise_naming
 
 
 def _sha(data: bytes) -> str:
@@ -45,6 +45,9 @@ class _Local:
             os.link(private, self.path)
         except FileExistsError:
             return None
+        except OSError as err:  # a full disk names no file: say which folder the lease was for
+            raise_naming(err, self.path)
+            raise
         finally:
             private.unlink(missing_ok=True)
         return _sha(data)

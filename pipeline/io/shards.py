@@ -17,8 +17,8 @@ from typing import Any, Dict, Iterable, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io.storage import (is_remote, location, parquet_bytes, parquet_file, replace_durably, tmp_path,
-                                 write_bytes_atomic)
+from pipeline.io.storage import (is_remote, location, parquet_bytes, parquet_file, raise_naming, replace_durably,
+                                 tmp_path, write_bytes_atomic)
 
 # Key-value schema metadata of every shard the pipeline writes: blockpilot.KEY -> JSON value.
 META_PREFIX = "blockpilot."
@@ -70,6 +70,9 @@ def write_parquet_atomic(table: pa.Table, path, checksum=None, stats: Optional[D
         if checksum:
             write_checksum(checksum, path.name, sha, tmp.stat().st_size, table.num_rows, stats)
         replace_durably(tmp, path)
+    except OSError as err:
+        raise_naming(err, path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return sha

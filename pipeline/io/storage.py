@@ -93,8 +93,19 @@ def write_bytes_atomic(data: bytes, path) -> None:
     try:
         tmp.write_bytes(data)
         replace_durably(tmp, path)
+    except OSError as err:
+        raise_naming(err, path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def raise_naming(err: OSError, path) -> None:
+    """Re-raise a failed local write naming the file it was for: a full disk (ENOSPC, from a plain write or from
+    pyarrow) names no file, and the user must learn which folder is out of space. No errno, or a file already
+    named: left to the caller's bare ``raise``."""
+    if err.errno and not err.filename:
+        raise OSError(err.errno, os.strerror(err.errno), str(path)) from err
 
 
 def parquet_bytes(table: pa.Table, **options: Any) -> bytes:

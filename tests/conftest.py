@@ -156,3 +156,25 @@ def s3_bucket(s3_server, monkeypatch, request):
         monkeypatch.setenv(k, v)
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
     return s3_server.bucket(name)
+
+
+# ---- the fault matrix (benchmarks/fault_matrix.py runs `pytest -m faults` and prints these rows) --------------------
+
+FAULT_MATRIX_ENV = "BLOCKPILOT_FAULT_MATRIX"
+
+
+@pytest.fixture
+def fault_row(request):
+    """``fault_row(fault, stage, expected, rows)``: one row of the fault matrix, from the rows a fault test found
+    after its fault and rerun (ids, duplicates included) against the rows it expected. The test asserts the same
+    counts itself; this only records them (to $BLOCKPILOT_FAULT_MATRIX, when set) for the matrix's table."""
+    def record(fault: str, stage: str, expected, rows) -> None:
+        rows = list(rows)
+        path = os.environ.get(FAULT_MATRIX_ENV)
+        if path:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"test": request.node.nodeid, "fault": fault, "stage": stage,
+                                     "expected": len(set(expected)), "found": len(set(rows)),
+                                     "lost": len(set(expected) - set(rows)),
+                                     "duplicates": len(rows) - len(set(rows))}) + "\n")
+    return record

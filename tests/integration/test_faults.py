@@ -68,7 +68,7 @@ def assert_no_ray_left(run: Run) -> None:
     assert not run.left and not marked_pids(run.marker), run.left
 
 
-def assert_complete_and_like_reference(out: Path, reference: Path) -> None:
+def assert_complete_and_like_reference(out: Path, reference: Path, fault_row, fault: str) -> None:
     labels = out / "labels"
     v = validate(labels)
     assert v.returncode == 0, v.stdout + v.stderr
@@ -76,6 +76,7 @@ def assert_complete_and_like_reference(out: Path, reference: Path) -> None:
     assert [p.name for p in list_shards(labels)] == [p.name for p in list_shards(out / "prompts")]
     rows = label_rows(labels)
     ids = [r["prompt_id"] for r in rows]
+    fault_row(fault, "label", prompt_ids(out), ids)
     assert len(ids) == len(set(ids)) == 16  # no duplicates
     assert ids == prompt_ids(out)  # exactly one row per accepted prompt
     expected = label_rows(reference / "labels")
@@ -111,7 +112,8 @@ def fresh(prepared: Path, tmp_path: Path) -> Path:
     return out
 
 
-def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path):
+@pytest.mark.faults
+def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path, fault_row):
     out = fresh(prepared, tmp_path)
     labels = out / "labels"
     # One actor: shards finish one after another, so the kill lands with work done and work left.
@@ -129,10 +131,11 @@ def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path):
     assert rerun.proc.returncode == 0, rerun.tail()
     assert f"{4 - len(done)}/4 shards" in rerun.output, rerun.tail()  # only the missing shards are relabelled
     assert {p: (labels / p).stat().st_mtime_ns for p in done} == done  # finished shards untouched
-    assert_complete_and_like_reference(out, reference)
+    assert_complete_and_like_reference(out, reference, fault_row, "driver process group SIGKILLed, rerun")
 
 
-def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path):
+@pytest.mark.faults
+def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path, fault_row):
     out = fresh(prepared, tmp_path)
     labels = out / "labels"
     run = Run([PYTHON, "-m", "stages.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=2",
@@ -169,10 +172,11 @@ def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path
     # The killed actor's shard is retried on the same actor once Ray has restarted it.
     assert re.search(rf"by {re.escape(victim)}$", run.output, re.M), run.tail()
     assert not run.left and not marked_pids(run.marker), run.left  # Ray's own shutdown left nothing
-    assert_complete_and_like_reference(out, reference)
+    assert_complete_and_like_reference(out, reference, fault_row, "one actor SIGKILLed mid-shard")
 
 
-def test_train_killed_mid_way_resumes_from_its_checkpoint(reference, tmp_path):
+@pytest.mark.faults
+def test_train_killed_mid_way_resumes_from_its_checkpoint(reference, tmp_path, fault_row):
     out = tmp_path / "run"
     shutil.copytree(reference / "labels", out / "labels")
     metrics = out / "train" / "metrics.jsonl"
@@ -196,8 +200,10 @@ def test_train_killed_mid_way_resumes_from_its_checkpoint(reference, tmp_path):
     print(f"[fault] train group SIGKILLed with {at_kill} epochs in metrics.jsonl; escaped the group (killed by "
           f"pid): {sorted(run.escaped.values())}; rerun: {m.group(0)!r}")
     history = [json.loads(x) for x in metrics.read_text().splitlines()]
+    fault_row("driver process group SIGKILLed, rerun (rows: epochs)", "train", range(30),
+              [h["epoch"] for h in history])
     assert [h["epoch"] for h in history] == list(range(30))  # each epoch exactly once
-    # A log a person can follow: the driver shows every 3rd epoch of 30 once, Ray Train's per-report dumps stay out.
+    # A log a person can follow: the driver shows every 6th epoch of 30 once, Ray Train's per-report dumps stay out.
     epochs_shown = re.findall(r"^\[train\] epoch (\d+)/30 ", rerun.output, re.M)
     assert epochs_shown and len(epochs_shown) == len(set(epochs_shown)) <= 10, epochs_shown
     assert "Reporting training result" not in rerun.output and "Checkpoint successfully created" not in rerun.output

@@ -70,7 +70,9 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_a_full_disk_fails_clearly_keeps_no_partial_shard_and_a_rerun_completes(small_disk, tmp_path, caplog):
+@pytest.mark.faults
+def test_a_full_disk_fails_clearly_keeps_no_partial_shard_and_a_rerun_completes(small_disk, tmp_path, caplog,
+                                                                                 fault_row):
     filler = small_disk / "filler.bin"
     filler.write_bytes(b"\0" * (FILLER_MB << 20))  # tmpfs allocates what is written: this space is really used
     caplog.set_level("INFO", logger="blockpilot")
@@ -104,6 +106,9 @@ def test_a_full_disk_fails_clearly_keeps_no_partial_shard_and_a_rerun_completes(
 
     _, reference = run_bulk(tmp_path / "uninterrupted")
     assert reference["rows"] == summary["rows"]
+    fault_row("disk full mid-stage (tmpfs), space freed, rerun", "bulk (synthetic)",
+              [r["prompt_id"] for r in rows(tmp_path / "uninterrupted" / "bulk")],
+              [r["prompt_id"] for r in rows(folder)])
     assert rows(folder) == rows(tmp_path / "uninterrupted" / "bulk")
 
 

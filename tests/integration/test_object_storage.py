@@ -10,6 +10,7 @@ import re
 import signal
 
 import pyarrow as pa
+import pytest
 
 from pipeline.io.shards import is_complete, list_shards
 from pipeline.io.storage import location, read_table
@@ -38,7 +39,8 @@ def ids(folder) -> list:
                   ["prompt_id"].to_pylist())
 
 
-def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
+@pytest.mark.faults
+def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket, fault_row):
     out = f"{s3_bucket}/run"
     labels, train = location(out) / "labels", location(out) / "train"
 
@@ -60,6 +62,7 @@ def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
     assert f"{4 - len(done)}/4 shards" in rerun.output, rerun.tail()  # only the missing shards are relabelled
     after = etags(labels)
     assert {k: after[k] for k in done} == done  # finished shards untouched
+    fault_row("S3: driver process group SIGKILLed, rerun", "label", ids(location(out) / "prompts"), ids(labels))
     v = validate(str(labels))
     assert v.returncode == 0, v.stdout + v.stderr
     assert ids(labels) == ids(location(out) / "prompts") and len(set(ids(labels))) == 16  # no loss, no duplicate
@@ -82,6 +85,8 @@ def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket):
     assert rerun.proc.returncode == 0, rerun.tail()
     assert re.search(r"\[train\] resuming from the checkpoint of epoch \d+", rerun.output), rerun.tail()
     history = [json.loads(x) for x in metrics.read_text().splitlines()]
+    fault_row("S3: driver process group SIGKILLed, rerun (rows: epochs)", "train", range(10),
+              [h["epoch"] for h in history])
     assert [h["epoch"] for h in history] == list(range(10))  # each epoch exactly once
     assert is_complete(train) and {"policy/policy.json", "policy/model.safetensors"} <= set(etags(train))
 

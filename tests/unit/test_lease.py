@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.executor.driver import run_stage
@@ -100,7 +101,8 @@ def test_a_second_run_refuses_naming_the_owner_and_leaves_its_temp_file(tmp_path
     assert run(Squares(cfg_for(), inputs, out))["skipped"]
 
 
-def test_a_dead_owners_lease_is_taken_over_and_the_log_says_so(tmp_path, inputs, caplog):
+@pytest.mark.faults
+def test_a_dead_owners_lease_is_taken_over_and_the_log_says_so(tmp_path, inputs, caplog, fault_row):
     out = tmp_path / "squares"
     writer = Writer(inputs, out, tmp_path / "signals")
     pid = writer.proc.pid
@@ -112,6 +114,10 @@ def test_a_dead_owners_lease_is_taken_over_and_the_log_says_so(tmp_path, inputs,
     took = [r.getMessage() for r in caplog.records if "took over the lease" in r.getMessage()]
     assert len(took) == 1 and took[0].startswith(f"took over the lease of {out} from {owner_line(pid)} (started ")
     assert took[0].endswith(f": pid {pid} is not running on {socket.gethostname()}")
+    run(Squares(cfg_for(), inputs, tmp_path / "reference"))
+    fault_row("the writer SIGKILLed holding its lease, rerun", "squares (synthetic)",
+              *([i for f in sorted(d.glob("part-*.parquet")) for i in pq.read_table(f)["prompt_id"].to_pylist()]
+                for d in (tmp_path / "reference", out)))
     assert again.calls == ["part-00001.parquet", "part-00002.parquet"]  # the dead writer's first shard is kept
     assert summary["rows"] == 7 and not (out / LIVE_TMP).exists() and not (out / LEASE).exists()
 

@@ -34,23 +34,31 @@ def fingerprint_of(folder: Path) -> str:
     return json.loads((folder / "manifest.json").read_text())["fingerprint_sha256"]
 
 
-def test_a_flipped_byte_in_a_complete_folder_is_redone_alone(tmp_path, inputs):
+def ids(folder: Path) -> list:
+    return [i for p in sorted(folder.glob("part-*.parquet")) for i in pq.read_table(p)["prompt_id"].to_pylist()]
+
+
+@pytest.mark.faults
+def test_a_flipped_byte_in_a_complete_folder_is_redone_alone(tmp_path, inputs, fault_row):
     out = tmp_path / "squares"
     run(Squares(cfg_for(), inputs, out))
     bad = out / "part-00001.parquet"
     original, original_sha = pq.read_table(bad).to_pylist(), file_sha256(bad)
+    original_ids = ids(out)
     flip_a_data_byte(bad)
     assert shard_intact(bad, 2, fingerprint_of(out))  # the footer-only check keeps it
     others = {k: v for k, v in mtimes(out).items() if k in ("part-00000.parquet", "part-00002.parquet")}
     again = Squares(cfg_for(), inputs, out)
     summary = run(again)
+    fault_row("a flipped byte in a data page, complete folder", "squares (synthetic)", original_ids, ids(out))
     assert again.calls == ["part-00001.parquet"]  # redone alone
     assert file_sha256(bad) == original_sha and pq.read_table(bad).to_pylist() == original
     assert {k: v for k, v in mtimes(out).items() if k in others} == others
     assert summary["rows"] == 7 and (out / "_SUCCESS").exists()
 
 
-def test_a_flipped_byte_before_any_manifest_is_caught_by_the_shards_own_checksum(tmp_path, inputs):
+@pytest.mark.faults
+def test_a_flipped_byte_before_any_manifest_is_caught_by_the_shards_own_checksum(tmp_path, inputs, fault_row):
     """A run killed before its manifest: only the checksum written with each shard can prove it."""
     out = tmp_path / "squares"
     with pytest.raises(RuntimeError, match="part-00002.parquet"):
@@ -64,6 +72,10 @@ def test_a_flipped_byte_before_any_manifest_is_caught_by_the_shards_own_checksum
     assert shard_intact(out / "part-00000.parquet", 3, fp)
     rerun = Squares(cfg_for(), inputs, out)
     run(rerun)
+    run(Squares(cfg_for(), inputs, tmp_path / "reference"))
+    fault_row("a flipped byte in a data page, no manifest yet", "squares (synthetic)", ids(tmp_path / "reference"),
+              ids(out))
+    assert ids(out) == ids(tmp_path / "reference")
     assert rerun.calls == ["part-00000.parquet", "part-00002.parquet"]  # part-00001 kept: its bytes check out
     assert pq.read_table(out / "part-00000.parquet")["square"].to_pylist() == [1, 4, 9]
 

@@ -1,5 +1,6 @@
-"""Corpus for the embedded tiny pair: the Python standard-library sources of the running
-interpreter, split deterministically into training and held-out files.
+"""The code kind of the tiny pair's corpus (the other kinds: :mod:`pipeline.tiny.corpus`): the Python
+standard-library sources of the running interpreter, split deterministically into training and held-out files;
+and the line-boundary prompt cutter every text kind shares.
 
 The split depends only on each file's path relative to the stdlib root (a SHA-1 of it), so it
 is stable across machines; the corpus itself is whatever stdlib the building interpreter has
@@ -106,6 +107,7 @@ def cut_prompts(
     seed: int,
     min_tokens: int = 64,
     max_tokens: int = 256,
+    prefix: str = "stdlib",
 ) -> list[dict]:
     """Cut `n` code-prefix prompts from `files`, at line boundaries.
 
@@ -114,7 +116,8 @@ def cut_prompts(
     has at least a target number of tokens drawn uniformly from [min_tokens, max_tokens]
     (never more than max_tokens). Candidates are visited in a seeded random order; prompts
     that cannot reach min_tokens are skipped. The returned order is that random order, so any
-    prefix of the list is a random sample.
+    prefix of the list is a random sample. Ids are ``<prefix>/<relpath>#L<first>-L<last>``; any object with
+    ``relpath`` and ``text`` will do as a file (``corpus.Doc`` too).
     """
     rng = random.Random(seed)
     candidates = []
@@ -149,7 +152,7 @@ def cut_prompts(
         seen.add((fi, end))
         prompts.append(
             {
-                "id": f"stdlib/{files[fi].relpath}#L{start + 1}-L{end}",
+                "id": f"{prefix}/{files[fi].relpath}#L{start + 1}-L{end}",
                 "text": text,
                 "num_tokens": ntok,
             }

@@ -29,21 +29,33 @@ def greedy_batch(model, input_ids: torch.Tensor, n_new: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def make_draft_data(target, train_ids: torch.Tensor, eos_id: int, layer_ids, args, history):
+def make_draft_data(target, train_ids: torch.Tensor, eos_id: int, layer_ids, args, history, anchor_ends=None):
     """Groups of equal-length sequences: prompt (training text) + greedy target continuation.
 
     Returns a list of dicts with ids [G, L] (int32), feats [G, L, k*H] (bfloat16: the target
     hidden states of `layer_ids`, concatenated as dflash's extract_context_feature does),
     prompt_len P and last [G] (index of the last usable token: first eos or L-1).
+
+    ``anchor_ends`` (a build with a chat template): positions in ``train_ids`` of the generation
+    prompt token (``<|assistant|>``); a share ``args.draft_chat_frac`` of each group's prompts ends
+    exactly at one of them, as a chat-formatted prompt of the pipeline does. None (the stdlib-only
+    build): every prompt ends at a random position, with the random draws of before.
     """
     from dflash.model import extract_context_feature
 
     rng = np.random.default_rng(args.seed + 3)
     groups = []
     t0 = time.perf_counter()
+    use_anchors = anchor_ends is not None and len(anchor_ends) > 0 and getattr(args, "draft_chat_frac", 0) > 0
+    anchor_np = np.asarray(anchor_ends) if use_anchors else None
     for gi in range(args.gen_groups):
         P = int(rng.integers(args.gen_prompt_min, args.gen_prompt_max + 1))
         starts = rng.integers(0, len(train_ids) - P - 1, size=args.gen_batch)
+        if use_anchors:
+            ok = anchor_np[(anchor_np >= P - 1) & (anchor_np < len(train_ids) - 1)]
+            n_chat = int(round(args.draft_chat_frac * args.gen_batch))
+            if len(ok) and n_chat:
+                starts[:n_chat] = rng.choice(ok, size=n_chat) - P + 1
         prompts = torch.stack([train_ids[s : s + P] for s in starts.tolist()])
         cont = greedy_batch(target, prompts, args.gen_new)
         ids = torch.cat([prompts, cont], dim=1)
@@ -68,6 +80,7 @@ def make_draft_data(target, train_ids: torch.Tensor, eos_id: int, layer_ids, arg
     n_seq = sum(g["ids"].shape[0] for g in groups)
     n_gen = sum(int((g["last"] - g["P"] + 1).sum()) for g in groups)
     history["draft_data"] = {
+        "chat_prompt_share": float(args.draft_chat_frac) if use_anchors else 0.0,
         "sequences": n_seq,
         "generated_tokens": n_gen,
         "prompt_len_range": [args.gen_prompt_min, args.gen_prompt_max],

@@ -1,5 +1,6 @@
 """Measure acceptance length (tau) of a target/draft pair over block sizes, and check that
-speculative decoding at T=0 is lossless against plain autoregressive greedy decoding.
+speculative decoding at T=0 is lossless against plain autoregressive greedy decoding; per kind of
+text too (:func:`measure_kinds`, :func:`format_kinds`: the build's per-kind held-out loss and tau).
 
 tau(b; x) = mean over the verify steps of one generation of the tokens committed per step,
 bonus included -- exactly ``mean(acceptance_lengths)`` of ``dflash_generate(...,
@@ -173,3 +174,71 @@ def measure_pair(
             )
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def merge_reports(reports: list[PairReport]) -> PairReport:
+    """One report over the prompts of several (same block sizes and candidates)."""
+    first = reports[0]
+    rep = PairReport(list(first.block_sizes), list(first.candidates))
+    for b in rep.block_sizes:
+        rep.tau[b] = [t for r in reports for t in r.tau[b]]
+        rep.lossless[b] = [v for r in reports for v in r.lossless[b]]
+    rep.new_tokens = [n for r in reports for n in r.new_tokens]
+    rep.seconds = sum(r.seconds for r in reports)
+    return rep
+
+
+def measure_kinds(
+    target,
+    draft,
+    prompts_by_kind: dict[str, list[torch.Tensor]],
+    log: Callable[[str], None] | None = None,
+    **kwargs,
+) -> dict[str, PairReport]:
+    """:func:`measure_pair` on each kind's prompts (its held-out eval set), in the given order."""
+    out = {}
+    for kind, ids in prompts_by_kind.items():
+        if not ids:
+            continue
+        out[kind] = measure_pair(target, draft, ids, log=log, **kwargs)
+        if log is not None:
+            log("  " + kind_line(kind, out[kind]))
+    return out
+
+
+def kind_line(kind: str, rep: PairReport, heldout_loss: float | None = None) -> str:
+    """One log line: ``kind code: held-out loss 4.25, tau@4 3.03 @8 4.53 @16 5.57 (n prompts, new tokens)``."""
+    show = [b for b in (4, 8, 12, 16) if b in rep.tau]
+    taus = " ".join(f"@{b} {rep.mean_tau(b):.2f}" for b in show)
+    loss = f"held-out loss {heldout_loss:.3f}, " if heldout_loss is not None else ""
+    n = len(rep.tau[rep.block_sizes[0]])
+    mean_new = sum(rep.new_tokens) / max(1, len(rep.new_tokens))
+    return (f"kind {kind}: {loss}tau {taus} ({n} prompts, {mean_new:.0f} new tokens, lossless "
+            f"{rep.all_lossless()})")
+
+
+def format_kinds(reports: dict[str, PairReport], losses: dict[str, float] | None = None,
+                 show=(2, 4, 6, 8, 10, 12, 16)) -> str:
+    """Markdown: per kind, the target's held-out loss and the draft's mean tau at some block sizes, and the share
+    of prompts whose argmax of tau over the candidates is each candidate."""
+    losses = losses or {}
+    kinds = list(reports)
+    if not kinds:
+        return ""
+    bs = [b for b in show if b in reports[kinds[0]].tau]
+    cands = reports[kinds[0]].candidates
+    head = ["kind", "held-out loss", "prompts", "mean new tokens"] + [f"tau@{b}" for b in bs]
+    lines = ["| " + " | ".join(head) + " |", "|:---|" + "---:|" * (len(head) - 1)]
+    for k in kinds:
+        r = reports[k]
+        n = len(r.tau[r.block_sizes[0]])
+        loss = f"{losses[k]:.3f}" if k in losses else ""
+        lines.append(f"| {k} | {loss} | {n} | {sum(r.new_tokens) / max(1, len(r.new_tokens)):.1f} | "
+                     + " | ".join(f"{r.mean_tau(b):.2f}" for b in bs) + " |")
+    lines += ["", "argmax of tau over {" + ",".join(map(str, cands)) + "} per kind (share of prompts):", "",
+              "| kind | " + " | ".join(f"b={b}" for b in cands) + " |",
+              "|:---|" + "---:|" * len(cands)]
+    for k in kinds:
+        sh = reports[k].argmax_share()
+        lines.append(f"| {k} | " + " | ".join(f"{sh[b]:.2f}" for b in cands) + " |")
+    return "\n".join(lines)

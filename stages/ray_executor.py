@@ -134,9 +134,21 @@ class RayActorPool:
     """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
     models once. It fails as :class:`pipeline.executor.local.LocalExecutor` does: a shard whose ``process_shard``
     raises is retried up to ``resources().max_retries`` times, each failed attempt logged, and listed as failed
-    after the last. A killed actor is restarted and its in-flight shard rerun by Ray, up to the same limit; an
-    actor that is gone for good (its restarts used up) is dropped and its shard listed as failed, and the others
-    carry on. When none is left, the shards not done are listed as failed, each named."""
+    after the last. When none is left, the shards not done are listed as failed, each named.
+
+    A lost actor (its process killed, or its node gone) costs its in-flight shard one attempt too, against the same
+    limit: the pool, not Ray, retries it (``max_task_retries=0``, so the loss surfaces at once). Ray restarts the
+    actor (``max_restarts``); the pool counts it back only once a ping (its ``info``) answers, and meanwhile keeps
+    the lost shard for it (as Ray's own retry did: a shard that kills its actor every time uses up that actor's
+    restarts, not the others') unless the actor cannot take it back: it is gone for good (restarts used up), its
+    node is dead, or it is not back within :attr:`rejoin_wait_s`; then any live actor takes the shard. An actor gone
+    for good is dropped with a line and the others carry on. The pool ends when every shard is done or failed and
+    nothing is in flight, never waiting on a restart still pending (a lost node's actor waits for a GPU that the
+    survivors hold until the pool ends). With no live actor left and only restarts pending, it waits
+    :attr:`rejoin_wait_s` for one, then fails the shards not done with "no worker left"."""
+
+    rejoin_wait_s = 60.0  # how long a restarting actor keeps its lost shard, or is waited for when no other is left
+    poll_s = 1.0  # how often pings of lost actors and their nodes' liveness are looked at
 
     def __init__(self, ray_cfg: RayConfig):
         self.ray_cfg = ray_cfg
@@ -146,72 +158,165 @@ class RayActorPool:
 
         res = stage.resources()
         place = plan_workers(res.num_workers, res.cpus_per_worker)
-        # Ray reruns a shard whose actor died (restarting the actor first), never one that raised: that retry is
-        # _drive's, so that both executors give a raising shard the same attempts.
+        # Ray restarts a dead actor (max_restarts) but never reruns its task (max_task_retries=0): _drive does,
+        # counting that attempt as it counts a raising shard's, so that a lost node's shard moves to a live actor
+        # instead of waiting on a restart that may never be placed.
         actor_cls = ray.remote(bound_actor_class(stage)).options(
-            num_gpus=place.num_gpus, num_cpus=place.num_cpus,
-            max_restarts=res.max_retries, max_task_retries=res.max_retries)
+            num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_restarts=res.max_retries, max_task_retries=0)
         threads = max(1, int(place.num_cpus))
         actors = [actor_cls.remote(threads) for _ in range(min(place.num_workers, len(tasks)))]
         try:
             infos = ray.get([a.info.remote() for a in actors])
             for info in infos:
                 log(stage.name).info(worker_line(info))
-            failures = self._drive(ray, stage, tasks, done, actors, [i["identity"] for i in infos])
+            failures = self._drive(ray, stage, tasks, done, actors, infos)
         finally:  # also on an error or an interrupt: a job on a long-lived cluster must not leave actors behind
             for a in actors:
                 ray.kill(a)
         return Execution(infos, failures)
 
-    @staticmethod
-    def _drive(ray, stage: ShardStage, tasks: List[ShardTask], done: Done, actors: list,
-               identities: List[str]) -> List[str]:
-        """Keep every live actor busy with one shard until the queue is empty; returns the failures."""
-        from ray.exceptions import RayActorError, RayTaskError
+    def _drive(self, ray, stage: ShardStage, tasks: List[ShardTask], done: Done, actors: list,
+               infos: List[Dict[str, Any]]) -> List[str]:
+        """Keep every live actor busy with one shard until the queue is empty; returns the failures. ``infos``
+        (one per actor) gets the info of every restarted actor that comes back appended."""
+        import time
 
-        tries = stage.resources().max_retries + 1
+        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+        say = log(stage.name)
+        max_restarts = stage.resources().max_retries
+        tries = max_restarts + 1
         queue = list(tasks)
         attempts = {t.name: 0 for t in tasks}
-        inflight = {}
         failures: List[str] = []
-        live = len(actors)
+        identity = [info["identity"] for info in infos]
+        node = [info.get("node_id") for info in infos]
+        pid = [info.get("pid") for info in infos]
+        inflight: Dict[Any, Tuple[int, ShardTask]] = {}
+        idle: List[int] = list(range(len(actors)))
+        # actor -> what is known of it since it was lost: when, its last shard and whether that one failed, the
+        # ping in flight (or when to send the next), the shard kept for it (held)
+        down: Dict[int, Dict[str, Any]] = {}
+        pings: Dict[Any, int] = {}
+        gone: List[int] = []
+        deaths = [0] * len(actors)  # losses seen per actor
+        dead_nodes: set = set()
+        nodes_seen = 0.0
 
         def fail(task: ShardTask, error: str) -> None:
             failures.append(f"{task.name}: {error}")
             done(task, None, error)
 
-        def submit(i: int) -> None:
-            task = queue.pop(0)
-            inflight[actors[i].process.remote(task)] = (i, task)
+        def left() -> int:
+            return len(actors) - len(gone)
 
-        for i in range(len(actors)):
-            if queue:
-                submit(i)
-        while inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            i, task = inflight.pop(ready[0])
+        def lost(i: int, task: ShardTask, err: Exception) -> None:
+            attempts[task.name] += 1
+            error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            again = attempts[task.name] < tries
+            say.warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: worker {identity[i]} lost "
+                        f"({error}); " + ("it is retried on that worker once restarted, else on another" if again
+                                          else "no attempt left"))
+            if not again:
+                fail(task, error)
+            deaths[i] += 1
+            d = {"since": time.monotonic(), "task": task, "failed": not again, "held": task if again else None,
+                 "next_ping": 0.0}
+            if deaths[i] > max_restarts:  # Ray restarts an actor max_restarts times, no more: gone for good
+                drop(i, d)
+            else:
+                down[i] = d
+
+        def drop(i: int, d: Dict[str, Any]) -> None:
+            gone.append(i)
+            say.warning(f"{d['task'].name} {'failed' if d['failed'] else 'lost'}: worker {identity[i]} died and has "
+                        f"no restart left (max_restarts={max_restarts}); dropped, {left()} worker(s) left")
+            release(i, d, "is gone for good")
+
+        def release(i: int, d: Dict[str, Any], why: str) -> None:
+            """The shard kept for lost actor ``i`` goes to the next live actor."""
+            task, d["held"] = d["held"], None
+            if task is not None:
+                queue.insert(0, task)
+                say.warning(f"{task.name} goes to another worker: worker {identity[i]} {why}")
+
+        while True:
+            now = time.monotonic()
+            for i, d in down.items():  # ping every lost actor that is not being pinged
+                if d["next_ping"] is not None and now >= d["next_ping"]:
+                    d["next_ping"] = None
+                    pings[actors[i].info.remote()] = i
+            held = [i for i, d in down.items() if d["held"] is not None]
+            if held and idle:  # a live actor waits: does a held shard have to wait for its own actor still?
+                if now - nodes_seen >= self.poll_s:
+                    nodes_seen = now
+                    try:
+                        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+                    except Exception as err:  # noqa: BLE001 - the control store busy: ask again next time
+                        say.debug(f"node table not read: {type(err).__name__}: {err}")
+                for i in held:
+                    if node[i] in dead_nodes:
+                        release(i, down[i], "was on a node that died")
+                    elif now - down[i]["since"] >= self.rejoin_wait_s:
+                        release(i, down[i], f"is not back {self.rejoin_wait_s:g} s after it was lost")
+            while idle and queue:
+                i, task = idle.pop(0), queue.pop(0)
+                inflight[actors[i].process.remote(task)] = (i, task)
+            held = [i for i, d in down.items() if d["held"] is not None]
+            if not inflight and not queue and not held:
+                break  # all done or failed: a restart still pending is not waited for
+            if not inflight and not idle and (
+                    not down or all(now - d["since"] >= self.rejoin_wait_s for d in down.values())):
+                break  # no live actor, and none coming back
+            refs = list(inflight) + list(pings)
+            if not refs:  # only lost actors, none pinged right now: look again in a moment
+                time.sleep(self.poll_s)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s if down else None)
+            if not ready:
+                continue
+            ref = ready[0]
+            if ref in pings:
+                i = pings.pop(ref)
+                try:
+                    info = ray.get(ref)
+                except ActorDiedError:  # Ray will not restart it (its restart failed): gone for good
+                    drop(i, down.pop(i))
+                except RayActorError:  # unreachable, not yet known dead or restarting: ask again in a moment
+                    down[i]["next_ping"] = time.monotonic() + self.poll_s
+                else:  # restarted and set up again: back in the pool, with its lost shard if it was kept for it
+                    d = down.pop(i)
+                    if info.get("pid") != pid[i] or info["identity"] != identity[i]:  # a new process
+                        infos.append(info)
+                        say.info(f"{worker_line(info)} (restarted worker {identity[i]})")
+                    identity[i], node[i], pid[i] = info["identity"], info.get("node_id"), info.get("pid")
+                    if d["held"] is not None:
+                        inflight[actors[i].process.remote(d["held"])] = (i, d["held"])
+                    else:
+                        idle.append(i)
+                continue
+            i, task = inflight.pop(ref)
             try:
-                done(task, ray.get(ready[0]), None)
+                done(task, ray.get(ref), None)
             except RayTaskError as err:  # process_shard raised: the actor is fine, the shard may be retried
                 cause = err.cause  # the shard's own exception, worded as LocalExecutor words it
                 error = f"{type(cause).__name__}: {cause}"
                 attempts[task.name] += 1
-                log(stage.name).warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: {error}")
-                if attempts[task.name] < tries:
-                    queue.insert(0, task)  # next, on the same actor: LocalExecutor retries a shard at once
+                say.warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: {error}")
+                if attempts[task.name] < tries:  # next, on the same actor: LocalExecutor retries a shard at once
+                    inflight[actors[i].process.remote(task)] = (i, task)
                 else:
                     fail(task, error)
-            except RayActorError as err:  # Ray restarted the actor until max_restarts: it is gone for good
-                live -= 1
-                error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-                log(stage.name).warning(f"{task.name} failed: worker {identities[i]} died and has no restart left "
-                                        f"(max_restarts={tries - 1}); dropped, {live} worker(s) left")
-                fail(task, error)
-                i = None
-            if queue and i is not None:
-                submit(i)
-        for task in queue:  # every actor is gone for good: what is left fails now, and a rerun picks it up
-            fail(task, f"not run: no worker left ({len(actors)} dropped, their restarts used up)")
+                    idle.insert(0, i)
+            except RayActorError as err:  # the actor died or cannot be reached: its shard was lost with it
+                lost(i, task, err)
+            else:
+                idle.insert(0, i)
+        pending = list(down.values())
+        rest = queue + [d["held"] for d in pending if d["held"] is not None]
+        restarting = f", {len(pending)} not back within {self.rejoin_wait_s:g} s of a restart" if pending else ""
+        for task in rest:  # no worker is left: what is not done fails now, and a rerun picks it up
+            fail(task, f"not run: no worker left ({len(gone)} dropped, their restarts used up{restarting})")
         return failures
 
 

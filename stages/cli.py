@@ -157,6 +157,14 @@ def run_named_stage(name: str, cfg: PipelineConfig) -> int:
         # Expected failures (bad input, drift, unwritable folder): a clear message, no traceback.
         print(f"blockpilot {name}: error: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # noqa: BLE001 - the object store failing is expected too; anything else is a bug
+        from pipeline.io.storage import store_failure
+
+        message = store_failure(err, cfg.output_dir)
+        if message is None:
+            raise
+        print(f"blockpilot {name}: error: {message}", file=sys.stderr)
+        return 1
     if summary is not None and STAGES[name].json_summary:
         print(json.dumps(summary, indent=2, default=str))
     return 0

@@ -92,7 +92,14 @@ class _S3:
         try:
             return self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=data, IfNoneMatch="*")["ETag"]
         except FileExistsError:  # s3fs maps 412 Precondition Failed on If-None-Match to FileExistsError
-            return None
+            return self._landed(data)
+
+    def _landed(self, data: bytes) -> Optional[str]:
+        """After a 412: the object's version if it holds exactly ``data``, else None. The client retries a PUT whose
+        answer was lost (a reset, a timeout); if the first attempt landed, the retry's precondition fails on our
+        own write. A lease record holds its owner's token and heartbeat time, so no other writer has these bytes."""
+        current = self.read()
+        return current[1] if current is not None and current[0] == data else None
 
     def read(self) -> Optional[Tuple[bytes, str]]:
         try:
@@ -108,14 +115,14 @@ class _S3:
             return None
         except OSError as err:  # 412 arrives as EINVAL; anything else (the store down) is the caller's to see
             if "pre-condition" in str(err).lower() or "precondition" in str(err).lower():
-                return None
+                return self._landed(data)
             raise
 
     def delete(self, version: str) -> bool:
         try:
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version)
-        except OSError:  # 412 (not ours any more), gone, or the store down: the caller's lease then expires
-            return False
+        except Exception:  # noqa: BLE001 - 412 (not ours any more), gone, or the store down or unreachable
+            return False   # (botocore's EndpointConnectionError is no OSError): the caller's lease then expires
         return True
 
 

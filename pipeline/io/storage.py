@@ -12,6 +12,15 @@ same for both; this module holds only what differs:
   file objects are not used for outputs, because closing one after an error would publish a partial object.
 * **Recursive deletes**, and a ``pyarrow.fs`` view of the same filesystem for Ray Data and Ray Train
   (``storage_filesystem``), so that every reader and writer goes through one configured client.
+* **A failing store, in one line** (:func:`store_failure`): what the command line prints when the store stays down
+  or keeps failing past the client's retries, naming the store's endpoint and the folder, instead of a traceback.
+
+Retries and timeouts are the client's own, and bounded: s3fs with botocore retries 5xx, throttling, resets and
+timeouts (botocore: 5 attempts with backoff; s3fs repeats the whole call up to 5 times on throttling and timeouts),
+connect timeout 5 s, read timeout 15 s, so a stalled request ends and is retried; the proxy tests in
+tests/integration/test_store_faults.py inject each of these faults. They are tuned per deployment with fsspec's own
+configuration, which Ray's workers inherit like the credentials, e.g.
+``FSSPEC_S3='{"config_kwargs": {"read_timeout": 60, "retries": {"max_attempts": 10, "mode": "standard"}}}'``.
 
 Credentials and endpoints come from the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_ENDPOINT_URL`` for an S3-compatible server such as MinIO, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), which
@@ -25,7 +34,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -162,3 +171,55 @@ def savefig(fig, path, **options: Any) -> None:
     fmt = options.pop("format", None) or location(path).suffix.lstrip(".") or "png"
     fig.savefig(buf, format=fmt, **options)
     write_bytes_atomic(buf.getvalue(), path)
+
+
+# ---- a failing object store, in one line ------------------------------------------------------------------------
+
+# Where each object store's client errors come from, by the output's scheme. s3fs, once its retries (and botocore's)
+# are spent, raises botocore's error or an OSError whose __cause__ is botocore's ClientError; an unreachable endpoint
+# is botocore's EndpointConnectionError, which is no OSError. Other HTTP clients (requests, httpx, aiohttp on their
+# own: a model hub, a dataset download) are left out: their failures are not the output store's.
+STORE_CLIENTS = {"s3": ("botocore", "aiobotocore", "s3fs"), "s3a": ("botocore", "aiobotocore", "s3fs"),
+                 "gs": ("gcsfs", "google"), "gcs": ("gcsfs", "google"),
+                 "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
+
+
+def store_failure(err: BaseException, output_dir) -> Optional[str]:
+    """One line for a stage that failed because the object store under ``output_dir`` did (unreachable, 5xx or
+    timeouts after the client's retries, missing credentials): what the command line prints instead of a
+    traceback. None for anything else (a local folder, another error, a bug), which keeps its traceback.
+
+    The store's error is recognised by the package it comes from (:data:`STORE_CLIENTS`), on ``err`` or anywhere in
+    its chain of causes; the line names the store's endpoint, the folder and the client's own words."""
+    text = str(output_dir)
+    if not is_uri(text):
+        return None
+    clients = STORE_CLIENTS.get(text.split("://", 1)[0].lower())
+    cause, seen = err, set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__module__.split(".", 1)[0] in (clients or ()):
+            words = " ".join(str(cause).split())
+            words = words if len(words) <= 400 else words[:400] + "..."
+            return (f"the object store at {store_endpoint(text)} failed for {text} after the storage client's "
+                    f"retries: {type(cause).__name__}: {words}. What was written is kept: rerun the stage once the "
+                    "store answers")
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def store_endpoint(path) -> str:
+    """The URL at which the client reaches the store behind ``path`` (for messages): the S3 client's endpoint (an
+    ``AWS_ENDPOINT_URL`` or the region's), else the scheme and bucket."""
+    text = str(path)
+    try:
+        fs = location(text).fs
+        client = getattr(fs, "_s3", None)  # s3fs, once connected (the stage's own instance: fsspec caches it)
+        url = getattr(getattr(client, "meta", None), "endpoint_url", None) or getattr(fs, "endpoint_url", None)
+        if url:
+            return str(url)
+    except Exception:  # noqa: BLE001 - a message must not fail: fall back on the URI's scheme and bucket
+        pass
+    scheme, rest = text.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+

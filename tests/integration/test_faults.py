@@ -169,8 +169,11 @@ def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path
     assert shards_at_kill == 0  # no shard finished yet: the victim had its first shard in flight
     assert any("worker died or was killed while executing a task" in x for x in run.lines), run.tail()  # as Ray saw it
     assert "FAILED" not in run.output and "failed after retries" not in run.output, run.tail()
-    # The killed actor's shard is retried on the same actor once Ray has restarted it.
-    assert re.search(rf"by {re.escape(victim)}$", run.output, re.M), run.tail()
+    # The pool, not Ray, retries the killed actor's shard (one attempt spent): on the victim once Ray has restarted
+    # it, or on the other worker if the victim is not back within RayActorPool.rejoin_wait_s (a restart loads the
+    # models and profiles again, which on a busy machine takes longer).
+    assert re.search(rf"part-00000\.parquet attempt 1/\d+ failed: worker {re.escape(victim)} lost", run.output), \
+        run.tail()
     assert not run.left and not marked_pids(run.marker), run.left  # Ray's own shutdown left nothing
     assert_complete_and_like_reference(out, reference, fault_row, "one actor SIGKILLed mid-shard")
 

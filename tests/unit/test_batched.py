@@ -405,5 +405,3 @@ def test_gpu_cost_benchmark_runs_on_cpu(tmp_path):
     assert min(m["prefill_s"], m["decode_step_s"], m["propose_s"], m["read_row_s"]) > 0
     est = res["estimate"]
     assert est["paper_s_per_prompt"] > sum(res["step_s"].values())  # 5 candidates x (N / tau) steps each
-    assert est["batched"]["2"]["vs_paper"] == pytest.approx(est["paper_s_per_prompt"]
-                                                            / est["batched"]["2"]["s_per_prompt"])

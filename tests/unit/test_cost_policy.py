@@ -51,7 +51,9 @@ def test_profile_times_draft_and_verify_apart_keeps_raw_points_and_round_trips(t
     assert p.fit["draft"]["slope"] >= 0 and p.fit["verify"]["slope"] >= 0 and p.cost(16) >= p.cost(2)
     for k in ("draft", "verify"):
         assert p.fit[k] == pytest.approx(fit_affine([2, 16], [p.measured[b][k] for b in (2, 16)]))
-    assert p.cost(9) == pytest.approx(p.cost(2) + 7 / 14 * (p.cost(16) - p.cost(2)))  # b between: the fit
+    # b between the measured ones: the fit's line through the measured medians (from the medians, not from cost())
+    assert p.cost(9) == pytest.approx(sum(p.measured[2][k] + 7 / 14 * (p.measured[16][k] - p.measured[2][k])
+                                          for k in ("draft", "verify")))
     p.save(tmp_path / layout.COST_PROFILE)
     d = json.loads((tmp_path / layout.COST_PROFILE).read_text())
     assert d["format"] == FORMAT and set(d["seconds"]) == {"1", "2", "16"} and len(d["raw"]) == 48

@@ -55,7 +55,11 @@ def test_greedy_matches_dflash_and_autoregressive(seed, cpu_timer):
         if b == 1:
             assert res.tau == 1.0 and res.steps == res.new_tokens - 1
         saw_acceptance |= res.tau > 1.0
-        assert res.draft_seconds >= 0 and res.verify_seconds > 0
+        # The step clock's books balance: one verified length per step, the first step's two parts inside the
+        # totals, and the draft's and target's share summing to what the steps took.
+        assert len(res.verified) == len(res.committed) == res.steps
+        assert 0 < res.first_step_seconds[1] <= res.verify_seconds
+        assert 0 <= res.first_step_seconds[0] <= res.draft_seconds
     assert saw_acceptance, "the tilted pair should accept some draft tokens"
 
 

@@ -125,23 +125,6 @@ def test_the_runs_closing_lines():
 
 # ---- how many lines the stages print (the default run's log is at most 60 lines) ---------------------------------
 
-def test_epoch_lines_are_five_a_run_in_a_fixed_order(tmp_path):
-    import json
-
-    from pipeline.training.progress import EpochLog
-
-    m = {"train_loss": 1.23456, "val_accuracy": 0.5, "val_tau_policy": 4.1, "val_tau_best_fixed": 4.0,
-         "val_tau_oracle": 4.5, "val_speed_gain_policy": 0.01, "val_speed_gain_oracle": 0.05, "extra": 7}
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({**m, "epoch": e}) + "\n" for e in range(30)))
-    lines = EpochLog(path, 30, enabled=False).lines()
-    assert [ln.split("  ")[0] for ln in lines] == ["epoch 6/30", "epoch 12/30", "epoch 18/30", "epoch 24/30",
-                                                    "epoch 30/30"]
-    assert lines[0] == ("epoch 6/30  loss 1.2346  val acc 50.0%  tau policy 4.100  fixed b 4.000  oracle 4.500  "
-                        "modelled gain +1.00%  oracle gain +5.00%")
-    assert not problems(lines)
-
-
 def test_progress_prints_no_line_for_the_last_shard_but_always_one_for_a_failure(caplog):
     from pipeline.executor.progress import Progress
 

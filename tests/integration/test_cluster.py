@@ -87,12 +87,17 @@ class Cluster:
             "    alive = [n for n in ray.nodes() if n['Alive']]\n"
             "    if len(alive) == 2 and ray.cluster_resources().get('GPU', 0) == 2: break\n"
             "    time.sleep(0.5)\n"
-            "print('NODES', json.dumps(sorted(n['NodeID'] for n in alive)))\n")
+            "print('NODES', json.dumps(sorted(n['NodeID'] for n in alive)))\n"
+            "print('PORTS', json.dumps([n[k] for n in alive for k in ('NodeManagerPort', 'ObjectManagerPort',"
+            " 'MetricsExportPort')]))\n"
+            "print('GCS', ray.get_runtime_context().gcs_address)\n")
         out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
                              env=self.head_env())
         line = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
         assert out.returncode == 0 and line, out.stdout + out.stderr
         self.node_ids = json.loads(line[0][6:])
+        self.node_ports = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PORTS "))[6:])
+        self.gcs_address = next(x for x in out.stdout.splitlines() if x.startswith("GCS "))[4:]
         # The job server answers (the dashboard comes up a little after the raylet).
         deadline = time.monotonic() + 90
         while True:
@@ -177,7 +182,11 @@ def trained(cluster, labelled):
 
 def test_cluster_has_two_gpu_nodes_on_private_ports(cluster):
     assert len(cluster.node_ids) == 2
-    assert not cluster.ports & RAY_DEFAULT_PORTS
+    # The ports the running cluster reports for its GCS and each node's node manager, object manager and metrics
+    # (not merely the ports the test asked for): the asked ones, none of Ray's defaults, so a default Ray on the
+    # machine is left alone. (/proc here does not show other processes' sockets, so Ray's own view is read.)
+    ports = set(cluster.node_ports) | {int(cluster.gcs_address.rsplit(":", 1)[1])}
+    assert len(ports) == 1 + 3 * 2 and ports <= cluster.ports and not ports & RAY_DEFAULT_PORTS, sorted(ports)
 
 
 def test_prepare_job(prepared):

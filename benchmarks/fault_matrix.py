@@ -3,6 +3,8 @@
     python benchmarks/fault_matrix.py                 # all of them (~10 minutes on 2 cores: real Ray, a cluster)
     python benchmarks/fault_matrix.py -k disk         # a pytest -k selection of them
     python benchmarks/fault_matrix.py --write         # and benchmarks/results/fault-matrix.md
+    python benchmarks/fault_matrix.py --rows R --junit J   # the table of a run already made, e.g. the whole suite's:
+        BLOCKPILOT_FAULT_MATRIX=R PYTEST_ADDOPTS=--junitxml=J bash .ci/run
 
 Each fault test injects its fault (a SIGKILL of a driver, an actor or a node, a flipped byte, a full disk, an object
 store answering 5xx, resetting or stalling, two writers on one folder), reruns where the product's answer to the
@@ -41,6 +43,13 @@ def outcomes(junit: Path) -> dict:
     return out
 
 
+def fault_tests() -> set:
+    """The node ids of the suite's fault tests (``-m faults``), as pytest collects them."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "faults", "-p",
+                          "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {line.strip() for line in out.splitlines() if "::" in line}
+
+
 def table(rows: list, results: dict) -> tuple:
     lines = ["| fault | stage | rows expected | rows found | lost | duplicates | verdict |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -66,15 +75,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default=None, help="a pytest -k expression over the fault tests")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/fault-matrix.md")
+    ap.add_argument("--rows", type=Path, help="rows recorded by an earlier run (its $%s)" % ENV)
+    ap.add_argument("--junit", type=Path, help="that run's JUnit XML (pytest --junitxml)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        record, junit = Path(d) / "rows.jsonl", Path(d) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "faults", f"--junitxml={junit}", "-p", "no:cacheprovider"]
-        cmd += ["-k", args.k] if args.k else []
-        print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, env={**os.environ, ENV: str(record)})
+        record, junit = args.rows or Path(d) / "rows.jsonl", args.junit or Path(d) / "junit.xml"
+        if args.rows is None:
+            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "faults", f"--junitxml={junit}",
+                   "-p", "no:cacheprovider"] + (["-k", args.k] if args.k else [])
+            print("$", " ".join(cmd), flush=True)
+            subprocess.run(cmd, cwd=ROOT, env={**os.environ, ENV: str(record)})
         rows = [json.loads(x) for x in record.read_text().splitlines()] if record.exists() else []
         results = outcomes(junit) if junit.exists() else {}
+        if args.rows is not None:  # a whole suite's run: only its fault tests' outcomes matter here
+            results = {t: o for t, o in results.items() if t in fault_tests()}
     lines, bad = table(rows, results)
     print("\n".join(lines))
     print(f"{len(rows)} row(s), {bad} not ok")

@@ -241,3 +241,29 @@ def test_unwritable_output_folder_fails_fast_and_clearly(stage, prepared, refere
     assert "Loading weights" not in r.stderr and "Loading checkpoint" not in r.stderr, r.stderr
     assert (out / folder).read_text() == "a regular file where the stage's folder should be\n"
     assert not left
+
+
+@pytest.mark.faults
+def test_train_killed_after_its_last_checkpoint_completes_from_it(reference, tmp_path, fault_row):
+    """Killed between the last epoch's checkpoint and the closing (summary.json, _SUCCESS): the rerun resumes at
+    the end, runs no epoch, and must still find the checkpoint to export from. Were Ray Train's result to carry no
+    checkpoint then, train would refuse with "training produced no checkpoint": this is that refusal's one real
+    trigger, and it must not fire."""
+    out = tmp_path / "run"
+    shutil.copytree(reference / "labels", out / "labels")
+    args = ["train", f"output_dir={out}", *SMALL, "train.epochs=4", "train.hidden=32", "progress=true"]
+    first = blockpilot(*args, timeout=400, env=FAST_TRAIN_POLL)
+    assert first.proc.returncode == 0, first.tail()
+    policy = (out / "train" / "policy" / "model.safetensors").read_bytes()
+    metrics = (out / "train" / "metrics.jsonl").read_bytes()
+    for name in ("_SUCCESS", "summary.json"):  # what a kill after the last checkpoint leaves undone
+        (out / "train" / name).unlink()
+    rerun = blockpilot(*args, timeout=400, env=FAST_TRAIN_POLL)
+    assert rerun.proc.returncode == 0 and "no checkpoint" not in rerun.output, rerun.tail()
+    assert "[train] resuming from the checkpoint of epoch 3" in rerun.output, rerun.tail()
+    assert (out / "train" / "metrics.jsonl").read_bytes() == metrics  # no epoch trained (or reported) again
+    history = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    fault_row("train killed after its last checkpoint, rerun (rows: epochs)", "train", range(4),
+              [h["epoch"] for h in history])
+    assert [h["epoch"] for h in history] == list(range(4)) and is_complete(out / "train")
+    assert (out / "train" / "policy" / "model.safetensors").read_bytes() == policy  # the same weights, exported again

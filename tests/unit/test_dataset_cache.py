@@ -18,6 +18,7 @@ import pytest
 from pipeline.executor.driver import run_stage
 from pipeline.executor.local import LocalExecutor
 from pipeline.runtime.config import load_config
+from conftest import ONE_SOURCE
 
 
 def folder_ids(folder: Path) -> list:
@@ -42,7 +43,7 @@ def test_two_prompt_folders_load_as_themselves_from_one_cache(tmp_path):
     folders = []
     for run, limit in (("runA", 8), ("runB", 4)):
         cfg = load_config([f"output_dir={tmp_path / run}", "progress=false", "prepare.shard_size=4",
-                           f"prepare.limit={limit}"])
+                           f"prepare.limit={limit}", *ONE_SOURCE])
         run_stage(PrepareStage(cfg), LocalExecutor())
         folders.append(tmp_path / run / "prompts")
     a, b = (folder_ids(f) for f in folders)

@@ -18,10 +18,11 @@ from pipeline.data.schemas import LOGITS_PRECISION_DOCS, at_precision, labels_sc
 from pipeline.data.validate import validate_dataset
 from pipeline.io.shards import MANIFEST, decode_metadata, file_sha256, list_shards
 from pipeline.runtime.config import LOGITS_PRECISIONS, ConfigError, _choices, load_config
+from conftest import ONE_SOURCE
 
 COMMON = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
           "label.batch_size=1", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
-          "profile.context_lengths=[16]"]
+          "profile.context_lengths=[16]", *ONE_SOURCE]
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

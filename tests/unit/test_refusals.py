@@ -26,11 +26,12 @@ from pipeline.io.layout import COST_PROFILE, POLICY, STEP_RULE, RunLayout
 from pipeline.io.shards import file_sha256, is_complete
 from pipeline.policy.blocksize import BlockSizeMLP, split_of
 from pipeline.runtime.config import load_config
+from conftest import ONE_SOURCE
 
 # real_labels' settings, and a small policy
 BASE = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
         "train.hidden=16", "train.n_layers=1", "train.dropout=0.0", "train.val_fraction=0.5",
-        "train.calibration_fraction=0.2", "tune.limit=2", "tune.rules=[threshold:0.05,ema:0.5:2]"]
+        "train.calibration_fraction=0.2", "tune.limit=2", "tune.rules=[threshold:0.05,ema:0.5:2]", *ONE_SOURCE]
 
 
 def cfg_for(out: Path, *extra: str):

@@ -1,0 +1,31 @@
+"""The default's prompt sets: one bundled set per kind of text of the tiny pair, split into label and eval by the
+same hash rule that prepare applies, so the label sources never hold an evaluation prompt."""
+
+import json
+
+from pipeline.data.bundled import PROMPTS_DIR, list_bundled, load_bundled
+from pipeline.data.sources import bundled_split
+from pipeline.runtime.config import KINDS, load_config
+from pipeline.tiny.prompts import read_jsonl
+
+
+def test_every_kind_is_a_bundled_set_whose_split_is_its_files():
+    index = json.loads((PROMPTS_DIR / "prompt_sets.json").read_text())
+    assert list(index["kinds"]) == list(KINDS) and set(KINDS) <= set(list_bundled())
+    for kind in KINDS:
+        label, evals = (read_jsonl(PROMPTS_DIR / f"{kind}-{part}.jsonl") for part in ("label", "eval"))
+        assert (index["kinds"][kind]["label"], index["kinds"][kind]["eval"]) == (len(label), len(evals))
+        assert len(evals) >= 16 and len(label) >= 208, kind  # evaluate.limit and prepare.limit of the default
+        rows = load_bundled(kind)
+        for part, expected in (("label", label), ("eval", evals)):
+            assert [r["id"] for r in rows if bundled_split(r["id"]) == part] == [r["id"] for r in expected], kind
+        assert not {r["text"] for r in label} & {r["text"] for r in evals}, kind
+        assert len({r["id"] for r in rows}) == len(rows), kind
+
+
+def test_the_default_labels_every_kind_and_evaluates_each_apart():
+    cfg = load_config([])
+    assert [(s.name, s.path, s.split) for s in cfg.prepare.sources] == [(k, k, "label") for k in KINDS]
+    assert [(s.name, s.path, s.split) for s in cfg.evaluate.sources] == [
+        ("humaneval", "humaneval", None), *((f"{k}-eval", k, "eval") for k in KINDS)]
+    assert cfg.prepare.limit * len(KINDS) >= 1024  # at least 1,024 labels

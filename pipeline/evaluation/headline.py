@@ -143,6 +143,9 @@ def headlines(results: pa.Table, summary: Dict[str, Any], policy_info: Dict[str,
                         "tune_gain": step_rule.get("gain") if rule else None,
                         **{kind: headline_numbers(results, summary, policy_info, kind, method=method)
                            for kind in kinds}}
+        # What the per-request decision adds to the rule: adaptive (the policy, its fallback replaced by the rule)
+        # against the rule alone, paired per prompt.
+        out["adaptive_vs_per_step"] = pair_gain(results, "adaptive", PER_STEP) if "modelled" in kinds else None
         if "rules" in out:
             out["per_step"]["oracle_gain_captured_per_step"] = out["rules"][PER_STEP]["oracle_gain_captured_per_step"]
             out["per_step"]["per_step_oracle"] = out["rules"][PER_STEP]["per_step_oracle"]

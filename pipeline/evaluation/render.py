@@ -58,6 +58,19 @@ def render_markdown(s: Dict[str, Any]) -> str:
                        f"{hind:.3f}x | {v['oracle']:.3f}x | {v['oracle_headroom']:+.1%} | {v['gain']:+.2%} "
                        f"[{v['gain_ci95'][0]:+.2%}, {v['gain_ci95'][1]:+.2%}] | {cap} |")
         out.append("")
+    avr = headline.get("adaptive_vs_per_step")
+    if avr:
+        out += ["## What the per-request policy adds to the per-step rule (modelled; adaptive vs the rule alone, "
+                "95 % paired bootstrap interval)", "", "| set | gain [95 % CI] |", "| --- | ---: |"]
+        out += [f"| {ds} | {v['gain']:+.2%} [{ci[0]:+.2%}, {ci[1]:+.2%}] |"
+                for ds, v, ci in [*((d, p, p["ci95"]) for d, p in avr["per_set"].items()),
+                                  ("average", avr, avr["gain_ci95"])]]
+        out.append("")
+    if s.get("adaptive_choices_per_set"):
+        out += ["## What the policy chose per set (b: prompts)", "", "| set | choices |", "| --- | --- |"]
+        out += [f"| {ds} | " + ", ".join(f"{b}: {n}" for b, n in c.items()) + " |"
+                for ds, c in s["adaptive_choices_per_set"].items()]
+        out.append("")
     out += render_rules(headline)
     out += render_cost_model(s.get("cost_model") or {})
     if s.get("folded_policy"):

@@ -51,6 +51,9 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
         "prompts": {ds: int(df.filter((pl.col("source") == ds) & (pl.col("method") == "AR")).height)
                     for ds in datasets},
         "adaptive_choices": {int(b): int(n) for b, n in zip(chosen["policy_block_size"], chosen["len"])},
+        "adaptive_choices_per_set": {
+            ds: {int(b): int(n) for b, n in adaptive.filter(pl.col("source") == ds).group_by("policy_block_size")
+                 .len().sort("policy_block_size").iter_rows()} for ds in datasets},
         "adaptive_rule_rows": int(adaptive["step_rule"].is_not_null().sum()),
         "policy_ms_mean": float(adaptive["policy_seconds"].mean() * 1e3) if adaptive.height else None,
         "prefill_ms_mean": float(adaptive["prefill_seconds"].mean() * 1e3) if adaptive.height else None,

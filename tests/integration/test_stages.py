@@ -287,6 +287,10 @@ def test_evaluate_results_and_summary(run_dir):
     assert policy_rows["step_rule"].is_null().all() and (policy_rows["block_size"] == policy_rows[
         "policy_block_size"]).all()
     assert s["adaptive_rule_rows"] == adaptive["step_rule"].is_not_null().sum()
+    # What the policy chose, per set: the rows' own policy_block_size counted.
+    for ds in s["datasets"]:
+        counts = adaptive.filter(pl.col("source") == ds)["policy_block_size"].value_counts()
+        assert s["adaptive_choices_per_set"][ds] == dict(zip(*counts.sort("policy_block_size").to_dict().values()))
     # Adaptive runs the folded policy (the serving form); the policy on raw logits chose the same on every prompt.
     assert (adaptive["unfolded_block_size"] == adaptive["policy_block_size"]).all()
     assert s["folded_policy"] == {"prompts": 8, "agree": 8, "all_equal": True}
@@ -389,6 +393,15 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     assert lvt["gain_ci95"][0] <= lvt["gain"] <= lvt["gain_ci95"][1]
     for m, r in h["rules"].items():
         assert r["modelled_speedup"] <= r["per_step_oracle"] + 1e-9, m
+    # What the per-request decision adds to the rule: adaptive against the rule alone, paired per prompt; where
+    # adaptive ran the rule on every prompt (the policy answered its fallback) the two are the same decodes.
+    avr = h["adaptive_vs_per_step"]
+    assert (avr["a"], avr["b"], avr["prompts"]) == ("adaptive", "per-step", 8)
+    assert avr["gain_ci95"][0] <= avr["gain"] <= avr["gain_ci95"][1]
+    ad = res.filter(pl.col("method") == "adaptive").sort(["source", "prompt_id"])
+    if (ad["step_rule"] == choice["rule"]).all() and (ad["block_size"] == 10).all():
+        assert avr["gain"] == pytest.approx(0.0, abs=1e-12)
+    assert "## What the per-request policy adds to the per-step rule" in (out / "eval" / "summary.md").read_text()
     for key in ("policy_only", "per_step"):
         assert set(h[key]["modelled"]) == set(h["modelled"])
         lo, hi = h[key]["modelled"]["gain_ci95"]

@@ -30,8 +30,9 @@ def _read_jsonl(lines) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _load_stdlib_heldout() -> list[dict]:
-    path = PROMPTS_DIR / "stdlib-heldout.jsonl"
+def _read_prompt_file(name: str) -> list[dict]:
+    """One committed prompt file of ``prompts/`` as ``[{"id", "text"}]``; a missing one names the rebuild."""
+    path = PROMPTS_DIR / name
     if not path.exists():
         raise FileNotFoundError(
             f"{path} is missing; rebuild it with `python -m pipeline.tiny.build --out pipeline/assets`"
@@ -39,6 +40,10 @@ def _load_stdlib_heldout() -> list[dict]:
     with open(path, encoding="utf-8") as f:
         rows = _read_jsonl(f)
     return [{"id": str(r["id"]), "text": str(r["text"])} for r in rows]
+
+
+def _load_stdlib_heldout() -> list[dict]:
+    return _read_prompt_file("stdlib-heldout.jsonl")
 
 
 def _load_humaneval() -> list[dict]:
@@ -60,17 +65,7 @@ def _kinds() -> list[str]:
 
 
 def _kind_loader(kind: str) -> Callable[[], list[dict]]:
-    def load() -> list[dict]:
-        rows = []
-        for part in ("label", "eval"):
-            path = PROMPTS_DIR / f"{kind}-{part}.jsonl"
-            if not path.exists():
-                raise FileNotFoundError(f"{path} is missing; rebuild it with "
-                                        "`python -m pipeline.tiny.build --out pipeline/assets`")
-            with open(path, encoding="utf-8") as f:
-                rows += [{"id": str(r["id"]), "text": str(r["text"])} for r in _read_jsonl(f)]
-        return rows
-    return load
+    return lambda: _read_prompt_file(f"{kind}-label.jsonl") + _read_prompt_file(f"{kind}-eval.jsonl")
 
 
 _SETS: dict[str, Callable[[], list[dict]]] = {

@@ -209,9 +209,9 @@ class EvaluateStage(DecodingStage):
             rows += [row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
             for method, a in ad.items():
                 r = row(rec, method, method, a.block_size, a.decode, p, a.policy_seconds, ref)
-                r.update(step_rule=a.step_rule, policy_block_size=a.policy_block_size)
+                r.update(step_rule=a.step_rule, policy_block_size=a.policy_block_size, policy_action=a.policy_action)
                 if method == "adaptive":  # the policy on raw logits, beside the folded (serving) form's choice
-                    r["unfolded_block_size"] = self.unfolded.choose(state)[0] if self.unfolded is not None else None
+                    r["unfolded_action"] = self.unfolded.choose(state)[0].name if self.unfolded is not None else None
                 rows.append(r)
             for method, (b, res) in steps.items():
                 rows.append({**row(rec, method, PER_STEP, b, res, p, None, ref), "step_rule": self.rule_methods[method],

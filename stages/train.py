@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import numpy as np
+
 from pipeline.data.validate import validate_dataset
 from pipeline.executor.folder import StageFolder
 from pipeline.io.layout import CURVES, MANIFEST, METRICS, POLICY, RunLayout
@@ -25,7 +27,7 @@ from pipeline.io.storage import arrow_filesystem, is_remote, resolve
 from pipeline.runtime.config import PipelineConfig
 from pipeline.runtime.log import get as log
 from pipeline.training import checkpoint
-from pipeline.training.data import LABEL_COLUMN, SplitData, histogram, in_split, uses_costs
+from pipeline.training.data import LABEL_COLUMN, SplitData, histogram, in_split, uses_costs, with_rule_tau
 from pipeline.training.export import ExportInput, export_policy
 from pipeline.training.plots import plot_curves
 from pipeline.training.problem import Problem, cost_profile_path, load_problem
@@ -87,7 +89,7 @@ def _quiet_ray_train_reports() -> None:
 
 def train_loop(config: Dict[str, Any]) -> None:
     """Runs on every Ray Train worker: restore, then the epochs (pipeline.training.loop.fit), reporting with a
-    checkpoint and, on rank 0, rewriting metrics.jsonl after each report."""
+    checkpoint and, on rank 0, rewriting metrics.jsonl after each report; or the ridge fit (one report)."""
     import ray.train
     import torch
 
@@ -98,7 +100,9 @@ def train_loop(config: Dict[str, Any]) -> None:
     t = config["train"]
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(t["seed"] + rank)
-    model = BlockSizeMLP(config["vocab_size"], len(config["candidates"]), t["hidden"], t["n_layers"], t["dropout"])
+    if t["model"] == "ridge":
+        return ridge_loop(config, rank)
+    model = BlockSizeMLP(config["vocab_size"], config["num_actions"], t["hidden"], t["n_layers"], t["dropout"])
     opt = torch.optim.Adam(model.parameters(), lr=t["lr"])
     checkpointer = Checkpointer(rank)
     start_epoch, history = checkpointer.restore(model, opt)
@@ -112,6 +116,41 @@ def train_loop(config: Dict[str, Any]) -> None:
             write_history(history, config["train_dir"])
 
     fit(model, opt, train_data, val_data, config, start_epoch, history, report)
+
+
+def ridge_loop(config: Dict[str, Any], rank: int) -> None:
+    """The ridge fit (pipeline.training.ridge) on a Ray Train worker: every worker sees every train and calibration
+    row (the closed form needs them all) and fits the same model; one report, as "epoch 0", with its checkpoint.
+    A rerun after that checkpoint fits nothing."""
+    import ray.train
+    import torch
+
+    from pipeline.policy.blocksize import LinearPolicyModel, transform_inputs
+    from pipeline.training.loop import validate
+    from pipeline.training.ridge import fit_ridge
+
+    model = LinearPolicyModel(config["vocab_size"], config["num_actions"])
+    checkpointer = Checkpointer(rank)
+    start, history = checkpointer.restore(model, None)
+    if start > 0:
+        return
+
+    def gather(name: str):
+        parts = list(SplitData(ray.train.get_dataset_shard(name), config, shuffle=False).epoch(0))
+        if not parts or not sum(len(p[1]) for p in parts):
+            return np.zeros((0, config["vocab_size"]), np.float32), np.zeros((0, config["num_actions"]), np.float32)
+        x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+        return transform_inputs(x, config["train"]["input_transform"]).numpy(), np.concatenate([p[2] for p in parts])
+
+    sp = config["speed"]
+    fitted, info = fit_ridge(*gather("train"), *gather("calib"), config["costs"], sp["fallback_index"], sp["scale"])
+    model.load_state_dict(fitted.state_dict())
+    metrics = {"epoch": 0, "train_loss": info["train_loss"], "ridge_alpha": info["alpha"], **validate(model, SplitData(
+        ray.train.get_dataset_shard("val"), config, shuffle=False), 0, config)}
+    history.append(metrics)
+    checkpointer.save_and_report(model, None, 0, metrics, history)
+    if rank == 0:
+        write_history(history, config["train_dir"])
 
 
 # ---- on the driver -----------------------------------------------------------------------------------------------
@@ -147,12 +186,17 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
     ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(
         ["prompt_id", "logits", "tau", LABEL_COLUMN])
 
-    def keep(batch, split: str):
+    def keep(batch, split: str, rule_tau):
         mask = in_split(batch["prompt_id"], split, frac, calib)
-        return {k: v[mask] for k, v in batch.items()}
+        out = {k: v[mask] for k, v in batch.items()}
+        if rule_tau and mask.any():  # the rule actions' columns after the candidates' (pipeline.training.problem)
+            out["tau"] = with_rule_tau(np.stack(out["tau"]), out["prompt_id"], rule_tau)
+        return out
 
-    return {split: ds.map_batches(keep, fn_kwargs={"split": split}, batch_format="numpy")
-            for split in ("train", "val")}
+    # The ridge fit chooses its penalty on the calibration rows (the MLP's margin is calibrated on the driver).
+    splits = ("train", "val", "calib") if cfg.train.model == "ridge" else ("train", "val")
+    return {split: ds.map_batches(keep, fn_kwargs={"split": split, "rule_tau": problem.rule_tau},
+                                  batch_format="numpy") for split in splits}
 
 
 def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
@@ -171,6 +215,7 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
         train_loop,
         train_loop_config={
             "train": vars(cfg.train), "candidates": problem.candidates, "vocab_size": vocab,
+            "num_actions": len(problem.action_names),
             "label_column": LABEL_COLUMN, "fixed_index": problem.fixed_index, "trained_index": problem.trained_index,
             "train_dir": str(train_dir), "progress": cfg.progress,
             "costs": problem.costs if uses_costs(cfg.train.objective, cfg.train.label) else None,
@@ -180,7 +225,8 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": per_worker}),
         datasets=_datasets(cfg, problem, labels_dir),
-        dataset_config=DataConfig(datasets_to_split=["train"]),
+        # The MLP's workers each take a part of the train split; every ridge worker needs all of it.
+        dataset_config=DataConfig(datasets_to_split=["train"] if cfg.train.model == "mlp" else []),
         run_config=RunConfig(
             name=RUN_NAME, **_storage(train_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
@@ -193,19 +239,22 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
 
 def _log_start(cfg: PipelineConfig, problem: Problem, use_gpu: bool) -> None:
     s, t = problem.splits, cfg.train
+    how = "ridge" if t.model == "ridge" else f"mlp, {t.epochs} epochs"
+    rules = f" + {len(problem.rule_actions)} rule actions" if problem.rule_actions else ""
     log("train").info(f"{int(s.train.sum())} train / {int(s.calib.sum())} calibration / {int(s.val.sum())} val rows, "
-                      f"objective {t.objective}, candidates {problem.candidates}, V={problem.vocab_size}, {t.epochs} "
-                      f"epochs, {t.num_workers} worker(s), gpu={use_gpu}")
+                      f"objective {t.objective} ({how}), candidates {problem.candidates}{rules}, "
+                      f"V={problem.vocab_size}, {t.num_workers} worker(s), gpu={use_gpu}")
     if problem.costs is not None:
         from pipeline.policy.labels import speed_label
 
         def plain(h):  # b:rows, in order: a log line, not a dict
             return " ".join(f"{b}:{n}" for b, n in h.items())
 
+        n_c = len(problem.candidates)
         log("train").info(f"cost profile {problem.profile_path}: ms per step "
-                          f"{' '.join(f'{c * 1e3:.2f}' for c in problem.costs)}; rows per label (b:rows): argmax "
-                          f"tau {plain(histogram(s.y_tau, problem.candidates))}; argmax tau/cost "
-                          f"{plain(histogram(speed_label(s.tau, problem.costs), problem.candidates))}")
+                          f"{' '.join(f'{c * 1e3:.2f}' for c in problem.costs[:n_c])}; rows per label (b:rows): "
+                          f"argmax tau {plain(histogram(s.y_tau, problem.candidates))}; argmax tau/cost "
+                          f"{plain(histogram(speed_label(s.tau, problem.costs), problem.action_names))}")
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
@@ -228,7 +277,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     init_ray(cfg.ray)
     trainer, use_gpu = _trainer(cfg, problem, labels_dir, train_dir)
     _log_start(cfg, problem, use_gpu)
-    with EpochLog(train_dir / METRICS, cfg.train.epochs, cfg.progress):
+    with EpochLog(train_dir / METRICS, 1 if cfg.train.model == "ridge" else cfg.train.epochs, cfg.progress):
         result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint (error: {result.error})")

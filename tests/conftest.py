@@ -36,7 +36,10 @@ ONE_SOURCE = [
 FAST = [
     *ONE_SOURCE,
     "progress=false", "decode.max_new_tokens=32", "prepare.shard_size=8", "prepare.limit=16",
-    "workers.cpus_per_worker=0.5", "train.epochs=4", "train.hidden=64", "train.lr=1e-3", "train.batch_size=8",
+    # The MLP (its epochs and checkpoints are what the train, resume and fault tests follow); the default ridge is
+    # trained in test_stages.py::test_the_default_ridge_policy_*. The rule actions stay on (the default's).
+    "workers.cpus_per_worker=0.5", "train.model=mlp", "train.epochs=4", "train.hidden=64", "train.lr=1e-3",
+    "train.batch_size=8",
     "train.val_fraction=0.25", "train.use_gpu=false", "evaluate.limit=4",
     "train.checkpoint_every=2", "label.k=2",
     "tune.limit=4", "tune.rules=[threshold:0.05,ema:0.5:2,learned]",

@@ -157,17 +157,21 @@ RESULT_COLUMNS = [
     ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
      "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
-    ("step_rule", pa.string(), "The per-step verify rule tune chose (pipeline.policy.step_rules), on per-step rows and on "
-     "adaptive rows it decoded; `block_size` is then the drafted block b_max. Null elsewhere."),
+    ("step_rule", pa.string(), "The per-step verify rule decoded with (pipeline.policy.step_rules): tune's on per-step "
+     "rows and on adaptive rows it decoded, the policy's own on adaptive and policy rows where it chose a rule action; "
+     "`block_size` is then the drafted block b_max. Null elsewhere."),
     ("modelled_seconds", pa.float64(), "Decode seconds by the cost profile (CostProfile.decode_seconds: per step "
      "cost(v+1), or with a per-step rule the draft at b_max + the rule's own cost + the verify over what was sent, "
      "plus the first step's extra). Null without a profile."),
-    ("unfolded_block_size", pa.int16(), "adaptive rows: the choice of the same policy on the raw logits, as trained "
-     "(adaptive itself runs it folded through lm_head, reading the final hidden state: BlockSizePolicy.fold, the "
-     "serving form); evaluate counts where it equals `policy_block_size`. Null elsewhere, or when the policy does not "
-     "fold (an input transform other than none)."),
+    ("unfolded_action", pa.string(), "adaptive rows: the choice (as `policy_action`) of the same policy on the raw "
+     "logits, as trained (adaptive itself runs it folded through lm_head, reading the final hidden state: "
+     "BlockSizePolicy.fold, the serving form); evaluate counts where it equals `policy_action`. Null elsewhere, or "
+     "when the policy does not fold (an input transform other than none)."),
     ("policy_block_size", pa.int16(), "adaptive and policy rows: the policy's answer from the prefill (its fallback b "
-     "when it did not deviate), from its serving form (folded, when it folds). Null elsewhere."),
+     "when it did not deviate; a rule action's b_max), from its serving form (folded, when it folds). Null elsewhere."),
+    ("policy_action", pa.string(), "adaptive and policy rows: the policy's answer by name, `b=N` (decode at block "
+     "size N) or `RULE@N` (a rule action of a policy trained with train.rules: the per-step rule RULE at b_max N). "
+     "Null elsewhere."),
     ("per_step_oracle_seconds", pa.float64(), "per-step rows at T = 0: the modelled decode seconds of the per-step "
      "oracle at the same b_max on this prompt (the verify length at each step chosen in hindsight over the prompt's "
      "trace: pipeline.policy.simulate.per_step_oracle), which no rule can beat under the cost model. Null elsewhere."),

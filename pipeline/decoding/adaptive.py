@@ -1,8 +1,9 @@
-"""Adaptive decoding: prefill -> policy.choose(logits) -> decode the whole request at the chosen block size.
+"""Adaptive decoding: prefill -> policy.choose_action(logits) -> decode the whole request with the chosen action.
 
 Two levels of adaptation, each chosen on the label set, never on evaluation prompts:
-* per request, the policy (pipeline/policy/blocksize.py) picks b from the prefill; a speed policy answers its fallback b
-  unless it predicts a gain above its calibrated margin;
+* per request, the policy (pipeline/policy/blocksize.py) picks an action from the prefill: a block size b, or (a
+  policy trained with ``train.rules``) a per-step rule at b_max; a speed policy answers its fallback b unless it
+  predicts a gain above its calibrated margin;
 * per step, a verify rule (pipeline/policy/step_rules.py, chosen by ``blockpilot tune`` on held-out label prompts) can
   replace that fallback: the draft proposes b_max tokens and the rule sends the target only a prefix. When the
   policy answers its fallback b, the decoder runs the rule instead, if tune measured it faster than the fallback b
@@ -22,7 +23,7 @@ import torch
 
 from pipeline.decoding.engine import DecodeResult, Engine, PrefillState
 from pipeline.policy.blocksize import BlockSizePolicy
-from pipeline.policy.step_rules import load_rule
+from pipeline.policy.step_rules import load_rule, parse_rule
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,13 @@ class RuleFallback:
 
 @dataclass
 class AdaptiveResult:
-    block_size: int  # what was decoded: the policy's b, or the rule's b_max when the rule replaced the fallback
+    block_size: int  # what was decoded: the policy's b, or a rule's b_max (the policy's rule action, or tune's)
     policy_seconds: float  # the MLP's latency, to compare with the prefill's
     prefill_seconds: float
     decode: DecodeResult
-    policy_block_size: int = 0  # the policy's answer (its fallback b when it did not deviate)
+    policy_block_size: int = 0  # the policy's answer (its fallback b when it did not deviate; a rule action's b_max)
     step_rule: Optional[str] = None  # the rule decoded with, or None (every step verifies the whole block)
+    policy_action: str = ""  # the policy's answer by name: "b=8", "threshold:0.01@10" (Action.name)
 
 
 class AdaptiveDecoder:
@@ -77,22 +79,25 @@ class AdaptiveDecoder:
             policy.model.to(engine.device)
 
     def choose(self, state: PrefillState) -> tuple:
-        """(the policy's b, its latency in seconds)."""
+        """(the policy's action, its latency in seconds)."""
         t0 = self.engine.now()
         # A folded policy reads the final hidden state (H values), the plain one the logits (V values).
         min_gain = self.rule_fallback.min_gain if self.rule_fallback else 0.0
-        b = self.policy.choose(state.hidden if self.policy.reads_hidden else state.logits, min_gain=min_gain)
-        return b, self.engine.now() - t0
+        a = self.policy.choose_action(state.hidden if self.policy.reads_hidden else state.logits, min_gain=min_gain)
+        return a, self.engine.now() - t0
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: Optional[int] = 0, state: Optional[PrefillState] = None) -> AdaptiveResult:
         """One request; pass ``state`` to reuse a prefill already made for the same prompt."""
         state = state if state is not None else self.engine.prefill(input_ids)
-        b, policy_seconds = self.choose(state)
+        a, policy_seconds = self.choose(state)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        rf = self.rule_fallback
+        rf, b = self.rule_fallback, a.block_size
+        if a.rule is not None:  # the policy's own rule action
+            res = self.engine.decode(state, block_size=b, step_rule=parse_rule(a.rule), **kw)
+            return AdaptiveResult(b, policy_seconds, state.prefill_seconds, res, b, a.rule, a.name)
         if rf is not None and b == self.policy.fallback_block_size:
             res = self.engine.decode(state, block_size=rf.max_block_size, step_rule=rf.step_rule(), **kw)
-            return AdaptiveResult(rf.max_block_size, policy_seconds, state.prefill_seconds, res, b, rf.rule)
+            return AdaptiveResult(rf.max_block_size, policy_seconds, state.prefill_seconds, res, b, rf.rule, a.name)
         res = self.engine.decode(state, block_size=b, **kw)
-        return AdaptiveResult(b, policy_seconds, state.prefill_seconds, res, b)
+        return AdaptiveResult(b, policy_seconds, state.prefill_seconds, res, b, None, a.name)

@@ -19,9 +19,9 @@ def render_markdown(s: Dict[str, Any]) -> str:
     out = ["# Evaluation", "",
            f"Prompts per dataset: {s['prompts']}. Candidates {s['candidates']}; policy latency "
            f"{_fmt(s['policy_ms_mean'], 3)} ms vs prefill {_fmt(s['prefill_ms_mean'], 3)} ms (mean). "
-           f"The policy's choices (b: prompts): {s['adaptive_choices']}; adaptive decoded "
-           f"{s.get('adaptive_rule_rows', 0)} of them with the tuned per-step rule (the policy answered its fallback "
-           "b).", ""]
+           f"The policy's choices (action: prompts): {s['adaptive_choices']}; adaptive decoded "
+           f"{s.get('adaptive_rule_rows', 0)} of them with a per-step rule (a rule action of the policy's, or the "
+           "tuned rule where the policy answered its fallback b).", ""]
     for metric, title, suffix in (("tau", "Acceptance length tau (tokens per verify step)", ""),
                                   ("speedup", "Speedup vs autoregressive (ratio of mean time per output token)", "x"),
                                   ("modelled_speedup", "Modelled speedup vs autoregressive (steps x profiled step "
@@ -67,7 +67,7 @@ def render_markdown(s: Dict[str, Any]) -> str:
                                   ("average", avr, avr["gain_ci95"])]]
         out.append("")
     if s.get("adaptive_choices_per_set"):
-        out += ["## What the policy chose per set (b: prompts)", "", "| set | choices |", "| --- | --- |"]
+        out += ["## What the policy chose per set (action: prompts)", "", "| set | choices |", "| --- | --- |"]
         out += [f"| {ds} | " + ", ".join(f"{b}: {n}" for b, n in c.items()) + " |"
                 for ds, c in s["adaptive_choices_per_set"].items()]
         out.append("")

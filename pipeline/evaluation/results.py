@@ -31,8 +31,8 @@ def result_row(rec: Dict[str, Any], method: str, kind: str, b: int, res: Any, pr
     """The row of one prompt (``rec``: its prompt shard row) decoded by one method (``res``: the decode result);
     ``reference`` is the output every method must equal."""
     return {"modelled_seconds": modelled_seconds(cost_profile, b, res), "step_rule": None,
-            "policy_block_size": None, "prompt_id": rec["prompt_id"], "source": rec["source"], "method": method,
-            "kind": kind, "block_size": b, "tau": res.tau, "steps": res.steps, "new_tokens": res.new_tokens,
+            "policy_block_size": None, "policy_action": None, "prompt_id": rec["prompt_id"], "source": rec["source"],
+            "method": method, "kind": kind, "block_size": b, "tau": res.tau, "steps": res.steps, "new_tokens": res.new_tokens,
             "decode_seconds": res.decode_seconds, "time_per_output_token": res.decode_seconds / max(1, res.new_tokens),
             "prefill_seconds": prefill_s, "policy_seconds": policy_s,
             "matches_autoregressive": bool(res.output_ids.equal(reference)), "worker": worker}

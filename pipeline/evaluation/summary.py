@@ -45,15 +45,18 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
             vals = [v for v in table[metric][m].values() if v is not None]
             table[metric][m]["average"] = sum(vals) / len(vals) if vals else None
     adaptive = df.filter(pl.col("method") == "adaptive")
-    chosen = adaptive.group_by("policy_block_size").len().sort("policy_block_size")
+
+    def choices(rows) -> Dict[str, int]:  # prompts per policy action, block sizes first then rule actions, by b
+        counts = rows.group_by("policy_action", "policy_block_size").len()
+        counts = counts.with_columns(pl.col("policy_action").str.contains("@").alias("ruled"))
+        return {a: int(n) for a, _, n, _ in counts.sort("ruled", "policy_block_size", "policy_action").iter_rows()}
+
     return {
         "datasets": datasets, "methods": methods, "tables": table,
         "prompts": {ds: int(df.filter((pl.col("source") == ds) & (pl.col("method") == "AR")).height)
                     for ds in datasets},
-        "adaptive_choices": {int(b): int(n) for b, n in zip(chosen["policy_block_size"], chosen["len"])},
-        "adaptive_choices_per_set": {
-            ds: {int(b): int(n) for b, n in adaptive.filter(pl.col("source") == ds).group_by("policy_block_size")
-                 .len().sort("policy_block_size").iter_rows()} for ds in datasets},
+        "adaptive_choices": choices(adaptive),
+        "adaptive_choices_per_set": {ds: choices(adaptive.filter(pl.col("source") == ds)) for ds in datasets},
         "adaptive_rule_rows": int(adaptive["step_rule"].is_not_null().sum()),
         "policy_ms_mean": float(adaptive["policy_seconds"].mean() * 1e3) if adaptive.height else None,
         "prefill_ms_mean": float(adaptive["prefill_seconds"].mean() * 1e3) if adaptive.height else None,
@@ -63,7 +66,7 @@ def summarize(results: pa.Table, methods: List[str]) -> Dict[str, Any]:
 def folded_agreement(results: pa.Table) -> Dict[str, Any]:
     """On every adaptive row: did the folded policy (final hidden state; what adaptive ran) choose what the policy
     on raw logits (as trained) chose?"""
-    rows = [r for r in results.select(["method", "policy_block_size", "unfolded_block_size"]).to_pylist()
-            if r["method"] == "adaptive" and r["unfolded_block_size"] is not None]
-    agree = sum(r["policy_block_size"] == r["unfolded_block_size"] for r in rows)
+    rows = [r for r in results.select(["method", "policy_action", "unfolded_action"]).to_pylist()
+            if r["method"] == "adaptive" and r["unfolded_action"] is not None]
+    agree = sum(r["policy_action"] == r["unfolded_action"] for r in rows)
     return {"prompts": len(rows), "agree": agree, "all_equal": agree == len(rows)}

@@ -1,13 +1,20 @@
-"""The BlockPilot policy: an MLP from the target's raw last-position prefill logits to a block size.
+"""The BlockPilot policy: a model from the target's raw last-position prefill logits to a per-request action.
 
-Linear(V, hidden) -> ReLU -> Dropout, then (n_layers - 1) x [Linear(hidden, hidden) -> ReLU -> Dropout, residual],
-then Linear(hidden, |C|). Kaiming init for the hidden layers, Xavier for the output layer, zero biases.
-Exported as ``model.safetensors`` + ``policy.json``; loaded with :meth:`BlockSizePolicy.from_pretrained`.
+An action is a block size b (every step verifies the whole block) or, for a speed policy trained with
+``train.rules``, a per-step verify rule at the label set's trace b_max (pipeline/policy/step_rules.py): the model
+has one output per action, candidates first, then the rule actions (policy.json ``rule_actions``).
+
+Two models: :class:`BlockSizeMLP` (the paper's: Linear(V, hidden) -> ReLU -> Dropout, then (n_layers - 1) x
+[Linear(hidden, hidden) -> ReLU -> Dropout, residual], then Linear(hidden, |A|); Kaiming init for the hidden layers,
+Xavier for the output layer, zero biases) and :class:`LinearPolicyModel` (one Linear(V, |A|), what a ridge fit
+exports: pipeline/training/ridge.py). Exported as ``model.safetensors`` + ``policy.json``; loaded with
+:meth:`BlockSizePolicy.from_pretrained`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -46,6 +53,47 @@ class BlockSizeMLP(nn.Module):
         return self.output(h)
 
 
+class LinearPolicyModel(nn.Module):
+    """One linear layer from the logits to every action's score: a ridge regression's weights, standardisation
+    folded in (pipeline/training/ridge.py). Named ``input`` like the MLP's first layer, so :meth:`BlockSizePolicy.fold`
+    folds it through lm_head the same way (exactly: the whole model is that layer)."""
+
+    def __init__(self, vocab_size: int, num_classes: int):
+        super().__init__()
+        self.input = nn.Linear(vocab_size, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input(x)
+
+
+def policy_model(arch: Dict[str, Any], vocab_size: int, num_outputs: int) -> nn.Module:
+    """The model an exported policy's ``architecture`` names (an MLP when it names no kind: older exports)."""
+    arch = dict(arch)
+    if arch.pop("kind", "mlp") == "linear":
+        return LinearPolicyModel(vocab_size, num_outputs)
+    return BlockSizeMLP(vocab_size, num_outputs, **arch)
+
+
+def model_architecture(model: nn.Module) -> Dict[str, Any]:
+    if isinstance(model, LinearPolicyModel):
+        return {"kind": "linear"}
+    return {"kind": "mlp", "hidden": model.input.out_features, "n_layers": 1 + len(model.blocks),
+            "dropout": model.dropout.p}
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the policy decides per request: decode at ``block_size``, every step verifying the whole block
+    (``rule`` None), or draft ``block_size`` = b_max and verify what the per-step ``rule`` keeps."""
+
+    block_size: int
+    rule: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"b={self.block_size}" if self.rule is None else f"{self.rule}@{self.block_size}"
+
+
 def train_chosen_block_size(info: Dict[str, Any]) -> int:
     """The train-chosen fixed b, from an exported policy's metadata (policy.json): the one fixed block size chosen
     on the label set's train split, which a speed policy answers as its fallback. Every comparison with "the fixed
@@ -77,13 +125,16 @@ def transform_inputs(x: torch.Tensor, kind: str) -> torch.Tensor:
 class BlockSizePolicy:
     """A trained policy: ``choose(logits) -> block size``."""
 
-    def __init__(self, model: BlockSizeMLP, candidates: Sequence[int], vocab_size: int, input_transform: str = "none",
+    def __init__(self, model: nn.Module, candidates: Sequence[int], vocab_size: int, input_transform: str = "none",
                  info: Optional[Dict[str, Any]] = None):
         self.model = model.eval()
         self.candidates = [int(b) for b in candidates]
         self.vocab_size = int(vocab_size)
         self.input_transform = input_transform
         self.info = dict(info or {})
+        # One output per action: the candidates, then the rule actions (a speed policy with train.rules).
+        self.actions = [Action(b) for b in self.candidates] + [
+            Action(int(a["max_block_size"]), str(a["rule"])) for a in self.info.get("rule_actions") or []]
 
     @property
     def device(self) -> torch.device:
@@ -174,13 +225,17 @@ class BlockSizePolicy:
         take = self.predicted_gain(scores) > max(self.margin, min_gain)
         return torch.where(take, best, torch.full_like(best, f)).tolist()
 
-    def choose(self, logits: Union[torch.Tensor, np.ndarray], min_gain: float = 0.0) -> int:
-        """The block size for one prompt, from its raw last-position prefill logits [V] (a folded policy: the final
+    def choose_action(self, logits: Union[torch.Tensor, np.ndarray], min_gain: float = 0.0) -> Action:
+        """The action for one prompt, from its raw last-position prefill logits [V] (a folded policy: the final
         hidden state [H])."""
-        return self.candidates[self.decide(self.scores(logits), min_gain)[0]]
+        return self.actions[self.decide(self.scores(logits), min_gain)[0]]
+
+    def choose(self, logits: Union[torch.Tensor, np.ndarray], min_gain: float = 0.0) -> int:
+        """The block size for one prompt (a rule action's b_max): :meth:`choose_action`'s."""
+        return self.choose_action(logits, min_gain).block_size
 
     def choose_batch(self, logits, min_gain: float = 0.0) -> List[int]:
-        return [self.candidates[i] for i in self.decide(self.scores(logits), min_gain)]
+        return [self.actions[i].block_size for i in self.decide(self.scores(logits), min_gain)]
 
     def save_pretrained(self, folder: Union[str, Path]) -> None:
         from safetensors.torch import save
@@ -191,10 +246,8 @@ class BlockSizePolicy:
         folder.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(save({k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}),
                            folder / POLICY_WEIGHTS)
-        arch = {"hidden": self.model.input.out_features, "n_layers": 1 + len(self.model.blocks),
-                "dropout": self.model.dropout.p}
         meta = {"candidates": self.candidates, "vocab_size": self.vocab_size,
-                "input_transform": self.input_transform, "architecture": arch, **self.info}
+                "input_transform": self.input_transform, "architecture": model_architecture(self.model), **self.info}
         write_bytes_atomic((json.dumps(meta, indent=2, default=str) + "\n").encode(), folder / POLICY_META)
 
     @classmethod
@@ -207,8 +260,8 @@ class BlockSizePolicy:
         if not (folder / POLICY_META).is_file() or not (folder / POLICY_WEIGHTS).is_file():
             raise FileNotFoundError(f"{folder} is not an exported policy (needs {POLICY_META} and {POLICY_WEIGHTS})")
         meta = json.loads((folder / POLICY_META).read_text())
-        arch = meta.get("architecture", {})
-        model = BlockSizeMLP(meta["vocab_size"], len(meta["candidates"]), **arch)
+        outputs = len(meta["candidates"]) + len(meta.get("rule_actions") or [])
+        model = policy_model(meta.get("architecture", {}), meta["vocab_size"], outputs)
         model.load_state_dict(load((folder / POLICY_WEIGHTS).read_bytes()))
         info = {k: v for k, v in meta.items() if k not in ("candidates", "vocab_size", "input_transform", "architecture")}
         return cls(model.to(device), meta["candidates"], meta["vocab_size"], meta.get("input_transform", "none"), info)

@@ -51,6 +51,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 LABEL_MODES = ("auto", "exhaustive", "replay")
 LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
 OBJECTIVES = ("speed", "paper", "hard", "soft")
+POLICY_MODELS = ("ridge", "mlp")
 LABEL_KINDS = ("tau", "speedup")
 SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
 
@@ -171,6 +172,12 @@ class ProfileConfig:
 
 @dataclass
 class TrainConfig:
+    # One of POLICY_MODELS. ridge: closed-form ridge regression on the standardised logits, its penalty chosen on the
+    # calibration split (pipeline/training/ridge.py; speed objective); mlp: the paper's MLP below, train.epochs long.
+    model: str = "ridge"
+    # Speed objective: per-step verify rules the policy may choose per request beside the block sizes, each at the
+    # label set's trace b_max and valued from the traces by the simulator (pipeline/training/problem.py); [] = none.
+    rules: List[str] = field(default_factory=lambda: [f"threshold:{t}" for t in (0.001, 0.005, 0.01, 0.02, 0.05, 0.1)])
     # The policy MLP (pipeline/policy/blocksize.py): hidden width, layers, dropout.
     hidden: int = 2048
     n_layers: int = 2
@@ -299,7 +306,7 @@ def _choices() -> Dict[str, tuple]:
         "model.dtype": DTYPES,
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
         "train.input_transform": TRANSFORMS,
-        "train.objective": OBJECTIVES,
+        "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
         "train.label": LABEL_KINDS,
     }
 
@@ -345,12 +352,15 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
     from pipeline.policy.step_rules import LEARNED, parse_rule
 
-    for i, rule in enumerate(cfg.tune.rules):
-        try:
-            if rule != LEARNED:
-                parse_rule(rule)
-        except ValueError as err:
-            raise ConfigError(f"config key 'tune.rules[{i}]': {err}") from None
+    _check(cfg.train.model != "ridge" or cfg.train.objective == "speed", "train.model",
+           f"ridge regresses the speed targets: it needs train.objective=speed (not {cfg.train.objective!r}), or mlp")
+    for key, rules in (("tune.rules", cfg.tune.rules), ("train.rules", cfg.train.rules)):
+        for i, rule in enumerate(rules):
+            try:
+                if rule != LEARNED or key == "train.rules":  # a rule action is static: no fitted rule file
+                    parse_rule(rule)
+            except ValueError as err:
+                raise ConfigError(f"config key '{key}[{i}]': {err}") from None
     for section in ("prepare", "evaluate"):
         names = set()
         for i, src in enumerate(getattr(cfg, section).sources):

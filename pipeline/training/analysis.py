@@ -1,12 +1,13 @@
 """The held-out analyses of a speed policy: the fallback margin calibrated on the calibration rows, then on the val
 rows (never seen by the fit nor the calibration) the modelled gain over the fallback b, and the share of the
-oracle's gain, of the MLP's raw argmax, the MLP with its fallback (the exported policy), a ridge regression on
-principal components of the logits with the same calibrated fallback, and a perfect predictor of the paper's label.
+oracle's gain, of the policy's raw argmax, the policy with its fallback (the exported policy: MLP or ridge), a ridge
+regression on principal components of the logits with the same calibrated fallback, and a perfect predictor of the
+paper's label (over the block sizes: the rule actions have none).
 Also the val metrics of modelled speed the epoch loop logs."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,7 +30,8 @@ def val_speed_metrics(tau: np.ndarray, costs: np.ndarray, chosen: np.ndarray, fi
 
 
 def mlp_predictions(model, x: np.ndarray, input_transform: str, scale: float) -> np.ndarray:
-    """The speed MLP's predicted log speed ratios over the fallback [N, |C|] (its outputs times ``scale``)."""
+    """The speed policy's (MLP or ridge) predicted log speed ratios over the fallback [N, |A|] (its outputs times
+    ``scale``)."""
     model.eval()
     with torch.no_grad():
         s = model(transform_inputs(torch.from_numpy(x), input_transform)).numpy().astype(np.float64)
@@ -62,19 +64,19 @@ def with_fallback(pred: np.ndarray, calib: np.ndarray, tau: np.ndarray, costs: n
 
 
 def held_out(model, input_transform: str, x: np.ndarray, splits: Splits, costs: np.ndarray, fallback_index: int,
-             scale: float) -> Dict[str, Any]:
+             scale: float, n_candidates: Optional[int] = None) -> Dict[str, Any]:
     """The analyses of the module docstring; ``x`` every row's logits, in the order of ``splits``."""
     tau = splits.tau
     target = speed_targets(tau.astype(np.float64), costs, fallback_index)
     out: Dict[str, Any] = {}
     policies: Dict[str, np.ndarray] = {}
-    for name, pred in (("mlp", mlp_predictions(model, x, input_transform, scale)),
-                       ("ridge", ridge_predictions(x, target, splits.train))):
+    for name, pred in (("policy", mlp_predictions(model, x, input_transform, scale)),
+                       ("pca_ridge", ridge_predictions(x, target, splits.train))):
         best, chosen, cal = with_fallback(pred, splits.calib, tau, costs, fallback_index)
         policies[f"{name}_argmax"] = best
         policies[f"{name}_with_fallback"] = chosen
-        out["calibration" if name == "mlp" else "ridge_calibration"] = cal
-    policies["paper_label_perfect"] = np.asarray(tau_label(tau))
+        out["calibration" if name == "policy" else "pca_ridge_calibration"] = cal
+    policies["paper_label_perfect"] = np.asarray(tau_label(tau[:, :n_candidates]))
     policies["oracle"] = oracle = np.asarray(speed_label(tau, costs))
     va = splits.val
     fb = np.full(len(tau), fallback_index)

@@ -17,7 +17,9 @@ def save_state(folder: Path, model, opt, epoch: int, history: List[Dict[str, Any
     """The unwrapped model's weights (not DistributedDataParallel's ``module.`` names), so that any process loads
     them."""
     raw = model.module if hasattr(model, "module") else model
-    torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch}, Path(folder) / STATE)
+    # A ridge fit has no optimiser (opt None): its state is the weights alone.
+    torch.save({"model": raw.state_dict(), "optimizer": {} if opt is None else opt.state_dict(), "epoch": epoch},
+               Path(folder) / STATE)
     (Path(folder) / HISTORY).write_text(json.dumps(history))
 
 
@@ -31,5 +33,6 @@ def restore(folder: Path, model, opt) -> Tuple[int, List[Dict[str, Any]]]:
     """Loads the checkpoint into ``model`` and ``opt``; returns (the first epoch still to run, the history so far)."""
     state, history = load_state(folder)
     model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    if opt is not None:
+        opt.load_state_dict(state["optimizer"])
     return int(state["epoch"]) + 1, history

@@ -52,10 +52,10 @@ def to_arrays(batch: Dict[str, np.ndarray], candidates: List[int], label_col: st
     return x, y, tau
 
 
-def histogram(index: np.ndarray, candidates: List[int]) -> Dict[int, int]:
-    """Rows per candidate block size, from label indices."""
-    counts = np.bincount(np.asarray(index, dtype=np.int64), minlength=len(candidates))
-    return {int(b): int(n) for b, n in zip(candidates, counts)}
+def histogram(index: np.ndarray, keys: Sequence[Any]) -> Dict[Any, int]:
+    """Rows per candidate block size (or per action, ``keys`` naming each), from label indices."""
+    counts = np.bincount(np.asarray(index, dtype=np.int64), minlength=len(keys))
+    return {(int(k) if isinstance(k, (int, np.integer)) else k): int(n) for k, n in zip(keys, counts)}
 
 
 class SplitData:
@@ -97,7 +97,7 @@ class Splits:
     """The driver's view of the label set, one entry per row in shard order."""
 
     split: np.ndarray  # "train" | "calib" | "val"
-    tau: np.ndarray  # float32 [N, |C|]
+    tau: np.ndarray  # float32 [N, |A|]: the candidates, then the rule actions' equivalent tau
     y: np.ndarray  # the label index the model learns (the speed label when it uses costs)
     y_tau: np.ndarray  # the stored argmax-tau label index
 
@@ -120,15 +120,24 @@ def in_split(prompt_ids: Iterable[str], split: str, val_fraction: float,
     return np.array([split_of(i, val_fraction, calibration_fraction) == split for i in prompt_ids], dtype=bool)
 
 
+def with_rule_tau(tau: np.ndarray, prompt_ids: Sequence[str], rule_tau: Optional[Dict[str, List[float]]]) -> np.ndarray:
+    """tau [n, |C|] with each row's rule actions' equivalent tau appended (pipeline.training.problem)."""
+    if not rule_tau:
+        return tau
+    return np.concatenate([tau, np.array([rule_tau[str(i)] for i in prompt_ids], dtype=tau.dtype)], axis=1)
+
+
 def read_splits(shards: List[Path], val_fraction: float, candidates: List[int], calibration_fraction: float = 0.0,
-                costs: Optional[Sequence[float]] = None, label_col: str = LABEL_COLUMN) -> Splits:
-    """The split, tau and labels of every row (no logits: this runs on the driver)."""
+                costs: Optional[Sequence[float]] = None, label_col: str = LABEL_COLUMN,
+                rule_tau: Optional[Dict[str, List[float]]] = None) -> Splits:
+    """The split, tau (with the rule actions' columns) and labels of every row (no logits: this runs on the
+    driver)."""
     import pyarrow as pa
 
     t = pa.concat_tables([read_table(p, columns=["prompt_id", "tau", label_col]) for p in shards])
     ids = t.column("prompt_id").to_pylist()
     split = np.array([split_of(i, val_fraction, calibration_fraction) for i in ids])
-    tau = np.array(t.column("tau").to_pylist(), dtype=np.float32)
+    tau = with_rule_tau(np.array(t.column("tau").to_pylist(), dtype=np.float32), ids, rule_tau)
     y_tau = label_index(t.column(label_col).to_pylist(), candidates)
     y = np.asarray(speed_label(tau, costs), dtype=np.int64) if costs is not None else y_tau
     return Splits(split, tau, y, y_tau)

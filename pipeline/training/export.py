@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from pipeline.io.layout import COST_PROFILE
-from pipeline.policy.blocksize import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy
+from pipeline.policy.blocksize import SPEED_SCORE, BlockSizePolicy, policy_model
 
 from .analysis import held_out
 from .data import read_logits
@@ -38,9 +38,11 @@ class ExportInput:
         return int(self.state["epoch"]) + 1
 
 
-def model_of(inp: ExportInput) -> BlockSizeMLP:
+def model_of(inp: ExportInput):
     t, p = inp.train, inp.problem
-    model = BlockSizeMLP(p.vocab_size, len(p.candidates), t.hidden, t.n_layers, t.dropout)
+    arch = {"kind": "linear"} if t.model == "ridge" else {"hidden": t.hidden, "n_layers": t.n_layers,
+                                                           "dropout": t.dropout}
+    model = policy_model(arch, p.vocab_size, len(p.action_names))
     model.load_state_dict(inp.state["model"])
     return model.eval()
 
@@ -60,7 +62,7 @@ def policy_metadata(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
                                 "device": p.profile.meta.get("device"), "hardware": p.profile.meta.get("hardware")}
     if p.speed is not None:
         info.update(score=SPEED_SCORE, score_scale=p.speed["scale"], margin=held["calibration"]["margin"],
-                    calibration=held["calibration"])
+                    calibration=held["calibration"], model=t.model, rule_actions=p.rule_actions)
     else:
         info["score"] = "class_logits"
     return info
@@ -74,7 +76,7 @@ def export_policy(inp: ExportInput, policy_dir: Path) -> Dict[str, Any]:
     held: Dict[str, Any] = {}
     if p.speed is not None:
         held = held_out(model, t.input_transform, read_logits(p.shards), p.splits, np.asarray(p.costs),
-                        p.fixed_index, p.speed["scale"])
+                        p.fixed_index, p.speed["scale"], len(p.candidates))
     policy = BlockSizePolicy(model, p.candidates, p.vocab_size, t.input_transform, policy_metadata(inp, held))
     policy.save_pretrained(policy_dir)
     if p.profile is not None:

@@ -1,10 +1,18 @@
 """What one training run learns from and is measured against, decided on the driver before any worker starts: the
 label set's candidates and vocabulary, the cost profile, the split, the baselines chosen on the TRAIN split (the
-train-chosen fixed b, the majority class, the draft's trained B) and the speed objective's target scale."""
+train-chosen fixed b, the majority class, the draft's trained B), the speed objective's target scale, and its rule
+actions.
+
+A rule action (``train.rules``, speed objective only) is a per-step verify rule at the label set's trace b_max: its
+value for every label row comes from the row's per-step trace through the simulator (pipeline.policy.simulate,
+exact at T = 0), without decoding again. It joins the candidates as one more column of ``tau``, holding the rule's
+*equivalent* tau: committed tokens per step times cost(b_max) / the rule's modelled seconds per step, so that tau /
+cost is the rule's modelled speed exactly as tau(b) / cost(b) is a fixed b's, and every speed helper (targets,
+gains, the margin's calibration) reads the rule columns like the candidates."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -51,6 +59,38 @@ def speed_scale(tau_train: np.ndarray, costs: List[float], fallback_index: int) 
     return float(max(target.std(), 1e-4))
 
 
+def rule_action_columns(shards: List[Path], rules: List[str], profile: CostProfile) -> Tuple[List[Dict[str, Any]],
+                                                                                            Dict[str, List[float]]]:
+    """(rule actions [{"rule", "max_block_size"}], equivalent tau per prompt_id [one per rule]) from every row's
+    trace; ([], {}) when the label set has no traces. A set whose rows are partly traced is refused: a rule action
+    has no value on the others."""
+    from pipeline.io.storage import read_table
+    from pipeline.policy.simulate import pack_traces, simulate_many
+    from pipeline.policy.step_rules import parse_rule
+    from pipeline.policy.trace import Trace
+
+    cols = ["prompt_id", "trace_block_size", "trace_match", "trace_confidence", "trace_stopped"]
+    if not rules or any(c not in parquet_file(shards[0]).schema_arrow.names for c in cols):  # schema < v3
+        return [], {}
+    rows = [r for p in shards for r in read_table(p, columns=cols).to_pylist()]
+    traces = [Trace.from_row(r) for r in rows]
+    if all(t is None for t in traces):
+        return [], {}
+    if any(t is None for t in traces):
+        missing = next(r["prompt_id"] for r, t in zip(rows, traces) if t is None)
+        raise ValueError(f"config key 'train.rules': label row {missing} has no per-step trace, so a rule action has "
+                         "no value there (relabel, or set train.rules=[])")
+    b_max = traces[0].block_size
+    packed, ref = pack_traces(traces), profile.cost(b_max)
+    columns = []
+    for rule in rules:
+        sim = simulate_many(packed, parse_rule(rule))
+        columns.append([sum(c) / len(c) * ref / (sum(profile.step_seconds(b_max, v) for v in ver) / len(ver))
+                        for ver, c in zip(sim.verified, sim.committed)])
+    by_id = {r["prompt_id"]: [float(col[i]) for col in columns] for i, r in enumerate(rows)}
+    return [{"rule": rule, "max_block_size": b_max} for rule in rules], by_id
+
+
 @dataclass
 class Problem:
     """Everything the workers and the export need to know about the label set, beside the logits."""
@@ -66,11 +106,20 @@ class Problem:
     profile: Optional[CostProfile] = None
     profile_path: Optional[Path] = None
     speed: Optional[Dict[str, Any]] = None  # objective speed: {"costs", "fallback_index", "scale"}
+    rule_actions: List[Dict[str, Any]] = field(default_factory=list)  # after the candidates: {"rule", "max_block_size"}
+    rule_tau: Dict[str, List[float]] = field(default_factory=dict)  # prompt_id -> each rule action's equivalent tau
 
     @property
     def costs(self) -> Optional[List[float]]:
-        """Seconds per step at each candidate, under the cost profile; None without one."""
-        return None if self.profile is None else [self.profile.cost(b) for b in self.candidates]
+        """Seconds per step at each action (the candidates, then the rule actions at cost(b_max): see the module
+        docstring), under the cost profile; None without one."""
+        if self.profile is None:
+            return None
+        return [self.profile.cost(b) for b in [*self.candidates, *(a["max_block_size"] for a in self.rule_actions)]]
+
+    @property
+    def action_names(self) -> List[str]:
+        return [f"b={b}" for b in self.candidates] + [f"{a['rule']}@{a['max_block_size']}" for a in self.rule_actions]
 
     @property
     def train_chosen_block_size(self) -> int:
@@ -91,15 +140,20 @@ def load_problem(train_cfg, labels_dir: Path) -> Problem:
     candidates = [int(b) for b in meta["candidates"]]
     B = int(meta["trained_block_size"])
     profile, profile_path = load_cost_profile(train_cfg, labels_dir)
-    costs = None if profile is None else [profile.cost(b) for b in candidates]
+    rule_actions, rule_tau = ([], {}) if train_cfg.objective != "speed" else \
+        rule_action_columns(shards, list(train_cfg.rules), profile)
+    costs = None if profile is None else [profile.cost(b) for b in
+                                          [*candidates, *(a["max_block_size"] for a in rule_actions)]]
     learns_speed = uses_costs(train_cfg.objective, train_cfg.label)
     calib_frac = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
     splits = read_splits(shards, train_cfg.val_fraction, candidates, calib_frac, costs if learns_speed else None,
-                         LABEL_COLUMN)
+                         LABEL_COLUMN, rule_tau)
     if splits.train.sum() == 0:
         raise ValueError("train.val_fraction + train.calibration_fraction leave no training rows")
     tau_train = splits.tau[splits.train]
-    fixed = train_chosen_index(tau_train, costs)
+    # The train-chosen fixed b is a block size: the rule actions never are (they are the policy's to choose).
+    n_c = len(candidates)
+    fixed = train_chosen_index(tau_train[:, :n_c], None if costs is None else costs[:n_c])
     speed = None
     if train_cfg.objective == "speed":
         speed = {"costs": costs, "fallback_index": fixed, "scale": speed_scale(tau_train, costs, fixed)}
@@ -108,4 +162,4 @@ def load_problem(train_cfg, labels_dir: Path) -> Problem:
         splits=splits, fixed_index=fixed,
         majority_index=int(np.bincount(splits.y[splits.train], minlength=len(candidates)).argmax()),
         trained_index=candidates.index(B) if B in candidates else len(candidates) // 2,
-        profile=profile, profile_path=profile_path, speed=speed)
+        profile=profile, profile_path=profile_path, speed=speed, rule_actions=rule_actions, rule_tau=rule_tau)

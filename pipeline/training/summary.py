@@ -14,8 +14,9 @@ def label_histograms(inp: ExportInput) -> Dict[str, Dict[int, int]]:
     """Rows per b of the stored argmax-tau label and, under a cost profile, of the speed label."""
     p = inp.problem
     out = {"argmax_tau": histogram(p.splits.y_tau, p.candidates)}
-    if p.costs is not None:
-        out["argmax_tau_over_cost"] = histogram(speed_label(p.splits.tau, p.costs), p.candidates)
+    if p.costs is not None:  # over every action, by name ("b=8", "threshold:0.01@10") when there are rule actions
+        keys = p.action_names if p.rule_actions else p.candidates
+        out["argmax_tau_over_cost"] = histogram(speed_label(p.splits.tau, p.costs), keys)
     return out
 
 
@@ -29,7 +30,7 @@ def train_summary(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
         "margin": held["calibration"]["margin"] if held else None,
         "calibration_rows": int(s.calib.sum()), "stage": "train",
         "epochs": inp.epochs, "train_rows": int(s.train.sum()), "val_rows": int(s.val.sum()),
-        "candidates": p.candidates, "best_fixed_block_size": p.train_chosen_block_size,
+        "candidates": p.candidates, "actions": p.action_names, "best_fixed_block_size": p.train_chosen_block_size,
         "majority_class_block_size": p.candidates[majority],
         "val_majority_accuracy": float((val_y == majority).mean()) if len(val_y) else None,
         "final": inp.history[-1],
@@ -39,7 +40,9 @@ def train_summary(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
 def summary_lines(s: Dict[str, Any]) -> List[str]:
     """What the run logs when it is done, from :func:`train_summary` (plus its ``policy`` path)."""
     f = s["final"]
-    lines = [f"done: {s['epochs']} epochs -> {s['policy']}"]
+    lines = [f"done: {s['epochs']} epochs -> {s['policy']}" if "ridge_alpha" not in s["final"] else
+             f"done: ridge (alpha {s['final']['ridge_alpha']:g}, chosen on the calibration split) over "
+             f"{len(s['actions'])} actions -> {s['policy']}"]
     if "val_accuracy" in f:
         lines.append(f"val accuracy {f['val_accuracy']:.3f} (majority class {s['val_majority_accuracy']:.3f}); val "
                      f"mean tau: policy {f['val_tau_policy']:.3f}, train-chosen b={s['fallback_block_size']} "

@@ -221,11 +221,11 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     exported = policy.model.state_dict()
     assert exported.keys() == state["model"].keys()
     assert all(torch.equal(exported[k], state["model"][k]) for k in exported)
-    trained = BlockSizeMLP(policy.vocab_size, len(policy.candidates), 64, 2, 0.2)  # FAST: train.hidden=64
+    trained = BlockSizeMLP(policy.vocab_size, len(policy.actions), 64, 2, 0.2)  # FAST: train.hidden=64
     trained.load_state_dict(state["model"])
     trained.eval()
     with torch.no_grad():  # the speed policy's rule: the argmax, unless its predicted gain is under the margin
-        expected = [policy.candidates[i] for i in policy.decide(trained(x))]
+        expected = [policy.actions[i].block_size for i in policy.decide(trained(x))]
     assert policy.choose_batch(x) == expected and len(expected) == 8
     assert policy.choose(x[0]) == expected[0]  # one row alone: the same choice as in the batch
     with pytest.raises(ValueError, match="vocabulary of"):
@@ -275,24 +275,34 @@ def test_evaluate_results_and_summary(run_dir):
     assert res["matches_autoregressive"].all()
     adaptive = res.filter(pl.col("method") == "adaptive")
     assert adaptive["policy_block_size"].is_in([6, 7, 8, 9, 10]).all() and (adaptive["policy_seconds"] > 0).all()
-    # Adaptive decodes the policy's b, or the tuned rule's b_max where the policy answered its fallback b (the rule
-    # replaces it only when tune measured it faster on held-out label prompts).
-    fallback = json.loads((out / "train" / "policy" / layout.POLICY_META).read_text())["fallback_block_size"]
+    # Adaptive decodes the policy's action: its b, or its rule action (a per-step rule at the trace b_max, here 10),
+    # or the tuned rule's b_max where the policy answered its fallback b (the rule replaces it only when tune
+    # measured it faster on held-out label prompts).
+    meta = json.loads((out / "train" / "policy" / layout.POLICY_META).read_text())
+    fallback, rule_actions = meta["fallback_block_size"], meta["rule_actions"]
+    assert [a["rule"] for a in rule_actions] == load_config([]).train.rules and \
+        {a["max_block_size"] for a in rule_actions} == {10}
     for r in adaptive.iter_rows(named=True):
-        if rule["gain"] > 0 and r["policy_block_size"] == fallback:
+        if "@" in r["policy_action"]:
+            rule_name, b_max = r["policy_action"].split("@")
+            assert (r["step_rule"], r["block_size"], r["policy_block_size"]) == (rule_name, int(b_max), int(b_max))
+        elif rule["gain"] > 0 and r["policy_block_size"] == fallback:
             assert (r["step_rule"], r["block_size"]) == (rule["rule"], rule["max_block_size"]), r
         else:
             assert (r["step_rule"], r["block_size"]) == (None, r["policy_block_size"]), r
+            assert r["policy_action"] == f"b={r['policy_block_size']}"
+    # The policy alone: the same actions, without the tuned rule replacing its fallback b.
     policy_rows = res.filter(pl.col("method") == "policy")
-    assert policy_rows["step_rule"].is_null().all() and (policy_rows["block_size"] == policy_rows[
-        "policy_block_size"]).all()
+    assert policy_rows["policy_action"].to_list() == adaptive["policy_action"].to_list()
+    for r in policy_rows.iter_rows(named=True):
+        assert r["step_rule"] == (r["policy_action"].split("@")[0] if "@" in r["policy_action"] else None), r
     assert s["adaptive_rule_rows"] == adaptive["step_rule"].is_not_null().sum()
-    # What the policy chose, per set: the rows' own policy_block_size counted.
+    # What the policy chose, per set: the rows' own policy_action counted.
     for ds in s["datasets"]:
-        counts = adaptive.filter(pl.col("source") == ds)["policy_block_size"].value_counts()
-        assert s["adaptive_choices_per_set"][ds] == dict(zip(*counts.sort("policy_block_size").to_dict().values()))
+        counts = adaptive.filter(pl.col("source") == ds)["policy_action"].value_counts()
+        assert s["adaptive_choices_per_set"][ds] == dict(counts.iter_rows())
     # Adaptive runs the folded policy (the serving form); the policy on raw logits chose the same on every prompt.
-    assert (adaptive["unfolded_block_size"] == adaptive["policy_block_size"]).all()
+    assert (adaptive["unfolded_action"] == adaptive["policy_action"]).all()
     assert s["folded_policy"] == {"prompts": 8, "agree": 8, "all_equal": True}
     for m in methods:
         for ds in [*s["datasets"], "average"]:
@@ -477,3 +487,38 @@ def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
     assert s["headline"]["adaptive_is"] == "the policy alone" and s["folded_policy"]["all_equal"]
     report.run(cfg)
     assert "adaptive" in (out / "report" / "report.md").read_text()
+
+
+def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_closed_form(run_dir, tmp_path):
+    """train.model=ridge (the default) through Ray Train on the same labels: one report (epoch 0) with its
+    checkpoint, a linear policy over the candidates and the rule actions, whose weights are pipeline.training.ridge's
+    closed form on the train split (the penalty chosen on the calibration split), and a rerun that fits nothing."""
+    from stages import train
+    from pipeline.policy.blocksize import BlockSizePolicy, LinearPolicyModel
+    from pipeline.training.data import read_logits
+    from pipeline.training.problem import load_problem
+    from pipeline.training.ridge import fit_ridge
+
+    out = tmp_path / "ridge"
+    out.mkdir()
+    for name in ("prompts", "labels"):
+        shutil.copytree(run_dir[0] / name, out / name)
+    cfg = cfg_for(out, "train.model=ridge")
+    s = train.run(cfg)
+    history = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [0] and s["epochs"] == 1 and "ridge_alpha" in history[0]
+    policy = BlockSizePolicy.from_pretrained(out / "train" / "policy")
+    assert isinstance(policy.model, LinearPolicyModel) and policy.info["model"] == "ridge"
+    assert [a.name for a in policy.actions][5:] == [f"{r}@10" for r in cfg.train.rules]
+    # The same fit by hand on the driver's view of the rows (the rule actions' columns included).
+    p = load_problem(cfg.train, out / "labels")
+    x, sp = read_logits(p.shards), p.speed
+    tr, ca = p.splits.train, p.splits.calib
+    expect, info = fit_ridge(x[tr], p.splits.tau[tr], x[ca], p.splits.tau[ca], p.costs, sp["fallback_index"],
+                             sp["scale"])
+    assert info["alpha"] == history[0]["ridge_alpha"]
+    with torch.no_grad():
+        assert torch.allclose(policy.model(torch.from_numpy(x)), expect(torch.from_numpy(x)), atol=1e-5)
+    assert s["held_out"]["val_rows"] == int(p.splits.val.sum())
+    # A rerun with the same inputs is skipped.
+    assert train.run(cfg)["status"] == "skipped: complete"

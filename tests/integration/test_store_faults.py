@@ -53,8 +53,8 @@ SHARDS, PROMPTS = 2, 8
 SMALL = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", f"prepare.limit={PROMPTS}",
          "label.k=2", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
          "profile.context_lengths=[16]", *ONE_SOURCE]
-TRAIN = ["ray.address=local", "train.epochs=2", "train.hidden=32", "train.batch_size=4", "train.use_gpu=false",
-         "train.checkpoint_every=1"]
+TRAIN = ["ray.address=local", "train.model=mlp", "train.epochs=2", "train.hidden=32", "train.batch_size=4",
+         "train.use_gpu=false", "train.checkpoint_every=1"]
 # The label stage's driver in a process of its own, to be killed mid-upload (LocalExecutor: no Ray to start).
 LABEL_SCRIPT = ("import sys, torch; torch.set_num_threads(1); from pipeline.runtime.config import load_config; "
                 "from pipeline.executor.driver import run_stage; from stages.label import LabelStage; "

@@ -31,7 +31,7 @@ def rows():
                             "decode_seconds": seconds, "time_per_output_token": seconds / tokens,
                             "new_tokens": tokens, "modelled_seconds": factor * seconds,
                             "matches_autoregressive": True, "policy_seconds": None, "prefill_seconds": 0.01,
-                            "policy_block_size": None, "step_rule": None})
+                            "policy_block_size": None, "policy_action": None, "step_rule": None})
     return pa.Table.from_pylist(out, schema=pa.schema([RESULTS_SCHEMA.field(n) for n in out[0]]))
 
 

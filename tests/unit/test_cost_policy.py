@@ -159,7 +159,12 @@ def test_config_keys_of_the_cost_model_and_the_objective_fail_fast():
                      ("train.checkpoint_every=0", "train.checkpoint_every")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config([bad])
-    assert load_config(["train.objective=paper"]).train.objective == "paper"
+    assert load_config(["train.objective=paper", "train.model=mlp"]).train.objective == "paper"
+    with pytest.raises(ConfigError, match="'train.model'"):  # ridge regresses the speed targets only
+        load_config(["train.objective=paper"])
+    for bad in ("train.rules=[learned]", "train.rules=[threshold:x]"):  # rule actions are static rules
+        with pytest.raises(ConfigError, match=r"'train.rules\[0\]'"):
+            load_config([bad])
 
 
 def test_adaptive_decoder_replaces_the_fallback_b_with_the_tuned_rule_and_deviates_only_past_its_gain(tiny):

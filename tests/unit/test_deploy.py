@@ -62,8 +62,9 @@ def _run_folder(root, rule="threshold:0.05", objective="speed"):
                           "tau": tau.tolist(), LABEL_COLUMN: [CANDS[j] for j in tau.argmax(axis=1)]})
         write_parquet_atomic(table.replace_schema_metadata(meta), run.labels / shard_name(i))
     CostProfile(dict(LABELLING)).save(run.labels / COST_PROFILE)
-    cfg = load_config([f"output_dir={root}", f"train.objective={objective}", "train.val_fraction=0.25",
-                       "train.calibration_fraction=0.2", "train.hidden=8", "train.n_layers=2", "train.dropout=0.0"])
+    cfg = load_config([f"output_dir={root}", f"train.objective={objective}", "train.model=mlp",
+                       "train.val_fraction=0.25", "train.calibration_fraction=0.2", "train.hidden=8", "train.n_layers=2",
+                       "train.dropout=0.0"])
     write_resolved(cfg, run.train)
     problem = load_problem(cfg.train, run.labels)
     model = BlockSizeMLP(V, len(CANDS), hidden=8, n_layers=2, dropout=0.0)

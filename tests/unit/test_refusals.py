@@ -30,7 +30,7 @@ from conftest import ONE_SOURCE
 
 # real_labels' settings, and a small policy
 BASE = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
-        "train.hidden=16", "train.n_layers=1", "train.dropout=0.0", "train.val_fraction=0.5",
+        "train.model=mlp", "train.hidden=16", "train.n_layers=1", "train.dropout=0.0", "train.val_fraction=0.5",
         "train.calibration_fraction=0.2", "tune.limit=2", "tune.rules=[threshold:0.05,ema:0.5:2]", *ONE_SOURCE]
 
 
@@ -55,7 +55,7 @@ def write_train(cfg) -> dict:
     problem = load_problem(cfg.train, run.labels)
     torch.manual_seed(0)
     t = cfg.train
-    model = BlockSizeMLP(problem.vocab_size, len(problem.candidates), t.hidden, t.n_layers, t.dropout)
+    model = BlockSizeMLP(problem.vocab_size, len(problem.action_names), t.hidden, t.n_layers, t.dropout)
     inp = ExportInput(problem, t, {"model": model.state_dict(), "epoch": 0}, [{"epoch": 0, "train_loss": 1.0}],
                       fp["labels_manifest_sha256"])
     summary = train_summary(inp, export_policy(inp, run.policy))
@@ -204,7 +204,7 @@ def test_evaluate_refuses_a_policy_of_another_vocabulary(run_dir, tmp_path, one_
 
     policy_dir = run_dir / "train" / POLICY
     real = BlockSizePolicy.from_pretrained(policy_dir)
-    other = BlockSizePolicy(BlockSizeMLP(5, len(real.candidates), 16, 1, 0.0), real.candidates, 5,
+    other = BlockSizePolicy(BlockSizeMLP(5, len(real.actions), 16, 1, 0.0), real.candidates, 5,
                             real.input_transform, dict(real.info))
     other.save_pretrained(policy_dir)
     with pytest.raises(ValueError, match=rf"policy {policy_dir} was trained on V=5, the target has "

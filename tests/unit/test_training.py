@@ -168,8 +168,8 @@ def test_ridge_recovers_a_linear_target_and_the_fallback_keeps_the_fallback_b():
 
 
 def _problem(tmp_path, objective):
-    train = replace(TrainConfig(), val_fraction=0.25, calibration_fraction=0.2, objective=objective, hidden=8,
-                    n_layers=2, dropout=0.0)
+    train = replace(TrainConfig(), model="mlp", val_fraction=0.25, calibration_fraction=0.2, objective=objective,
+                    hidden=8, n_layers=2, dropout=0.0)
     labels = tmp_path / "labels"
     if not labels.exists():
         _label_set(labels)
@@ -197,7 +197,7 @@ def test_the_export_round_trips_through_the_policy_and_names_the_train_chosen_b(
     assert torch.equal(policy.scores(x), model.eval()(x))
     if objective == "speed":
         assert policy.info["score"] == SPEED_SCORE and policy.fallback_block_size == b
-        assert policy.margin == held["calibration"]["margin"] and set(held["val"]) >= {"mlp_with_fallback", "oracle"}
+        assert policy.margin == held["calibration"]["margin"] and set(held["val"]) >= {"policy_with_fallback", "oracle"}
         assert held["val_rows"] == int(p.splits.val.sum())
     else:  # a classifier names the train-chosen b but has no fallback
         assert policy.info["score"] == "class_logits" and policy.fallback_block_size is None and held == {}

@@ -60,6 +60,7 @@ class Deploy:
     draft_revision: Optional[str]
     trust_remote_code: bool
     candidates: List[int]
+    rule_actions: List[str]  # the policy's per-request rule actions, "RULE@b_max" (train.rules)
     policy_answers_fallback_only: bool  # a speed policy without a calibrated margin
     step_rule: Optional[Dict[str, Any]]  # tune/step_rule.json, or None without a tune stage
 
@@ -129,6 +130,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
         draft_note=note, draft_revision=cfg.model.draft_revision, trust_remote_code=bool(cfg.model.trust_remote_code),
         candidates=[int(c) for c in info["candidates"]],
+        rule_actions=[f"{a['rule']}@{a['max_block_size']}" for a in info.get("rule_actions") or []],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None)
 
@@ -207,8 +209,10 @@ def per_step_lines(d: Deploy) -> List[str]:
 
 def per_request_lines(d: Deploy) -> List[str]:
     lines = [f"The per-request policy runs once after prefill on the target's last-position logits (its folded form: "
-             f"the final hidden state) and answers a b among {d.candidates}. An engine must give it that prefill "
-             "output and then take a block size per request for that request's decode.",
+             f"the final hidden state) and answers a b among {d.candidates}"
+             + (f", or a per-step verify rule at b_max ({', '.join(d.rule_actions)})" if d.rule_actions else "")
+             + ". An engine must give it that prefill output and then take a block size (and, for a rule action, a "
+             "verify rule) per request for that request's decode.",
              "vLLM: `num_speculative_tokens` is one per server (`num_speculative_tokens_per_batch_size` varies it by "
              "concurrency, not by request); vLLM issue #52258 asks for per-request speculation control (cited from "
              "the issue; its thread was not found in our search index, its state is unconfirmed).",

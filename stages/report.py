@@ -105,7 +105,8 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
     if "val_accuracy" in f:
         md += [_md_table(["metric", "value"], [
             ["val accuracy", f["val_accuracy"]],
-            [f"val majority-class accuracy (b={s['majority_class_block_size']})", s["val_majority_accuracy"]],
+            [f"val majority-class accuracy ({s.get('majority_class', 'b=' + str(s['majority_class_block_size']))})",
+             s["val_majority_accuracy"]],
             ["val top-2 accuracy", f["val_top2_accuracy"]],
             ["val mean tau: policy", f["val_tau_policy"]],
             [f"val mean tau: train-chosen b={train_chosen_block_size(s)}", f["val_tau_best_fixed"]],

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 from pipeline import ASSETS
 from pipeline.io.layout import CONFIG, COST_PROFILE, POLICY_META, RunLayout
 from pipeline.io.storage import location
-from pipeline.policy.blocksize import SPEED_SCORE, train_chosen_block_size
+from pipeline.policy.blocksize import SPEED_SCORE, policy_actions, train_chosen_block_size
 
 BUNDLED = "bundled:"
 
@@ -130,7 +130,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
         draft_note=note, draft_revision=cfg.model.draft_revision, trust_remote_code=bool(cfg.model.trust_remote_code),
         candidates=[int(c) for c in info["candidates"]],
-        rule_actions=[f"{a['rule']}@{a['max_block_size']}" for a in info.get("rule_actions") or []],
+        rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None)
 

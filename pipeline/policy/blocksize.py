@@ -94,6 +94,13 @@ class Action:
         return f"b={self.block_size}" if self.rule is None else f"{self.rule}@{self.block_size}"
 
 
+def policy_actions(candidates: Sequence[int], rule_actions: Optional[Sequence[Dict[str, Any]]] = None) -> List[Action]:
+    """A policy's actions in output order: the candidates, then its rule actions (policy.json ``rule_actions``:
+    ``{"rule", "max_block_size"}`` each)."""
+    return [Action(int(b)) for b in candidates] + [Action(int(a["max_block_size"]), str(a["rule"]))
+                                                  for a in rule_actions or []]
+
+
 def train_chosen_block_size(info: Dict[str, Any]) -> int:
     """The train-chosen fixed b, from an exported policy's metadata (policy.json): the one fixed block size chosen
     on the label set's train split, which a speed policy answers as its fallback. Every comparison with "the fixed
@@ -133,8 +140,7 @@ class BlockSizePolicy:
         self.input_transform = input_transform
         self.info = dict(info or {})
         # One output per action: the candidates, then the rule actions (a speed policy with train.rules).
-        self.actions = [Action(b) for b in self.candidates] + [
-            Action(int(a["max_block_size"]), str(a["rule"])) for a in self.info.get("rule_actions") or []]
+        self.actions = policy_actions(self.candidates, self.info.get("rule_actions"))
 
     @property
     def device(self) -> torch.device:

@@ -21,7 +21,7 @@ import numpy as np
 from pipeline.io.layout import COST_PROFILE
 from pipeline.io.shards import decode_metadata, list_shards
 from pipeline.io.storage import location, parquet_file
-from pipeline.policy.blocksize import speed_targets
+from pipeline.policy.blocksize import Action, policy_actions, speed_targets
 from pipeline.policy.cost import CostProfile
 
 from .data import LABEL_COLUMN, Splits, read_splits, uses_costs
@@ -110,16 +110,19 @@ class Problem:
     rule_tau: Dict[str, List[float]] = field(default_factory=dict)  # prompt_id -> each rule action's equivalent tau
 
     @property
+    def actions(self) -> List[Action]:
+        """The policy's outputs in order: the candidates, then the rule actions."""
+        return policy_actions(self.candidates, self.rule_actions)
+
+    @property
     def costs(self) -> Optional[List[float]]:
         """Seconds per step at each action (the candidates, then the rule actions at cost(b_max): see the module
         docstring), under the cost profile; None without one."""
-        if self.profile is None:
-            return None
-        return [self.profile.cost(b) for b in [*self.candidates, *(a["max_block_size"] for a in self.rule_actions)]]
+        return None if self.profile is None else [self.profile.cost(a.block_size) for a in self.actions]
 
     @property
     def action_names(self) -> List[str]:
-        return [f"b={b}" for b in self.candidates] + [f"{a['rule']}@{a['max_block_size']}" for a in self.rule_actions]
+        return [a.name for a in self.actions]
 
     @property
     def train_chosen_block_size(self) -> int:
@@ -142,8 +145,7 @@ def load_problem(train_cfg, labels_dir: Path) -> Problem:
     profile, profile_path = load_cost_profile(train_cfg, labels_dir)
     rule_actions, rule_tau = ([], {}) if train_cfg.objective != "speed" else \
         rule_action_columns(shards, list(train_cfg.rules), profile)
-    costs = None if profile is None else [profile.cost(b) for b in
-                                          [*candidates, *(a["max_block_size"] for a in rule_actions)]]
+    costs = None if profile is None else [profile.cost(a.block_size) for a in policy_actions(candidates, rule_actions)]
     learns_speed = uses_costs(train_cfg.objective, train_cfg.label)
     calib_frac = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
     splits = read_splits(shards, train_cfg.val_fraction, candidates, calib_frac, costs if learns_speed else None,

@@ -33,7 +33,7 @@ def train_summary(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
         "candidates": p.candidates, "actions": p.action_names, "best_fixed_block_size": p.train_chosen_block_size,
         # The majority label may be a rule action (the speed label ranges over every action): its b_max then.
         "majority_class": p.action_names[majority],
-        "majority_class_block_size": ([*p.candidates, *(a["max_block_size"] for a in p.rule_actions)])[majority],
+        "majority_class_block_size": p.actions[majority].block_size,
         "val_majority_accuracy": float((val_y == majority).mean()) if len(val_y) else None,
         "final": inp.history[-1],
     }

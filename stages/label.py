@@ -186,14 +186,16 @@ class LabelStage(DecodingStage):
         return {"cost_profile": COST_PROFILE}
 
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
-        """The cost profile beside the shards: the profile of the worker that labelled the most rows (every shard's
-        own worker profile stays in its metadata, `blockpilot.cost_profile`)."""
+        """The cost profile beside the shards: the workers' profiles on the labelling machine, pooled
+        (pipeline.labelling.summary.chosen_cost_profile; every shard's own worker profile stays in its metadata,
+        `blockpilot.cost_profile`)."""
         found = chosen_cost_profile(self.folder, manifest)
         if found is None:
             return {}
-        chosen, seen = found
+        chosen, seen, pooled = found
         chosen.save(self.folder / COST_PROFILE)
         return {"cost_profile": str(self.folder / COST_PROFILE), "cost_profiles_seen": seen,
+                "cost_profiles_pooled": pooled,
                 "step_cost_ms": {b: round(chosen.cost(b) * 1e3, 3) for b in self.candidates}}
 
     def card(self, manifest: Dict[str, Any]) -> str:

@@ -143,10 +143,15 @@ def ridge_loop(config: Dict[str, Any], rank: int) -> None:
         return transform_inputs(x, config["train"]["input_transform"]).numpy(), np.concatenate([p[2] for p in parts])
 
     sp = config["speed"]
-    fitted, info = fit_ridge(*gather("train"), *gather("calib"), config["costs"], sp["fallback_index"], sp["scale"])
+    (xt, tt), (xc, tc) = gather("train"), gather("calib")
+    fitted, info = fit_ridge(np.concatenate([xt, xc]), np.concatenate([tt, tc]), config["costs"],
+                             sp["fallback_index"], sp["scale"])
     model.load_state_dict(fitted.state_dict())
-    metrics = {"epoch": 0, "train_loss": info["train_loss"], "ridge_alpha": info["alpha"], **validate(model, SplitData(
-        ray.train.get_dataset_shard("val"), config, shuffle=False), 0, config)}
+    # The margin rides with the metrics into the checkpoint's history: the export reads it there (the fit saw the
+    # calibration rows, so the driver cannot calibrate on them again).
+    metrics = {"epoch": 0, "train_loss": info["train_loss"], "ridge_alpha": info["alpha"],
+               "ridge_calibration": info["calibration"], **validate(model, SplitData(
+                   ray.train.get_dataset_shard("val"), config, shuffle=False), 0, config)}
     history.append(metrics)
     checkpointer.save_and_report(model, None, 0, metrics, history)
     if rank == 0:
@@ -193,7 +198,8 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
             out["tau"] = with_rule_tau(np.stack(out["tau"]), out["prompt_id"], rule_tau)
         return out
 
-    # The ridge fit chooses its penalty on the calibration rows (the MLP's margin is calibrated on the driver).
+    # The ridge fit also reads the calibration rows: its penalty and margin come from leave-one-out predictions over
+    # train + calibration (the MLP's margin is calibrated on the driver, on the calibration rows).
     splits = ("train", "val", "calib") if cfg.train.model == "ridge" else ("train", "val")
     return {split: ds.map_batches(keep, fn_kwargs={"split": split, "rule_tau": problem.rule_tau},
                                   batch_format="numpy") for split in splits}

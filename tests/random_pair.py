@@ -99,13 +99,15 @@ def save_wide_pair(folder, hidden: int = 32, seed: int = 0):
     return folder / "target", folder / "draft"
 
 
-def learned_rule(b_max: int, slope: float = 0.15, w_conf: float = 0.5, w_prev: float = 0.4, intercept: float = 2.0):
+def learned_rule(b_max: int, slope: float = 0.15, w_conf: float = 0.5, w_prev: float = 0.4, intercept: float = 2.0,
+                 rate: float = 0.0):
     """A pipeline.policy.step_rules.LearnedVerify with hand-set weights (not fitted: the exactness tests need a
-    rule that cuts at varied lengths, whatever a fit would give) over step seconds 1 + slope x k."""
+    rule that cuts at varied lengths, whatever a fit would give) over step seconds 1 + slope x k; ``rate`` > 0 picks k
+    by expected tokens net of rate x seconds, 0 by their ratio."""
     from pipeline.policy.acceptance import FEATURES, AcceptanceModel
     from pipeline.policy.step_rules import LearnedVerify
 
     weights = tuple(w_conf if f == "log_confidence" else w_prev if f == "previous_accepted" else 0.0
                     for f in FEATURES)
     model = AcceptanceModel(intercept, weights, (0.0,) * len(FEATURES), (1.0,) * len(FEATURES), FEATURES, b_max)
-    return LearnedVerify(model, tuple(1.0 + slope * k for k in range(1, b_max)))
+    return LearnedVerify(model, tuple(1.0 + slope * k for k in range(1, b_max)), rate)

@@ -66,6 +66,29 @@ def fixed_seconds(row: TracedRow, b: int, profile) -> float:
     return row.steps[i] * profile.cost(b) + profile.first_step_seconds(b, row.prompt_tokens)
 
 
+def learned_rule(model, profile, b_max: int, rows: Sequence[TracedRow], max_new_tokens: Optional[int] = None,
+                 iterations: int = 20, tol: float = 1e-9) -> LearnedVerify:
+    """The learned rule at the rate it reaches itself on ``rows`` (the train split's traces): Dinkelbach's
+    iteration, rate <- tokens / modelled seconds of the rule at the previous rate, from the full block's rate (rate 0
+    picks the largest expected gain, the whole block). The rate rises to the fixed point where no k pays more than
+    its seconds at that rate; a few rounds on the default."""
+    rows = [r for r in rows if r.trace.block_size == b_max]
+    if not rows:
+        return LearnedVerify.from_profile(model, profile, b_max)  # rate 0: the per-step ratio
+    packed = pack_traces([r.trace for r in rows], max_new_tokens)
+    rate = 0.0
+    for _ in range(iterations):
+        sim = simulate_many(packed, LearnedVerify.from_profile(model, profile, b_max, rate) if rate else
+                            parse_rule("full"))
+        seconds = sum(profile.decode_seconds(v, b_max, rule=True, context=r.prompt_tokens)
+                      for v, r in zip(sim.verified, rows))
+        new = sum(sum(c) for c in sim.committed) / seconds
+        if abs(new - rate) <= tol * new:
+            break
+        rate = new
+    return LearnedVerify.from_profile(model, profile, b_max, rate)
+
+
 def search(rows: Dict[str, List[TracedRow]], rules: Sequence[str], profile, baseline_b: int,
            max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
     """Fit, simulate every rule and the oracle on the val rows, choose; see the module docstring. The answer:
@@ -81,8 +104,9 @@ def search(rows: Dict[str, List[TracedRow]], rules: Sequence[str], profile, base
     learned, model_info, calib = None, None, None
     if LEARNED in rules:
         model = fit_acceptance([r.trace for r in rows["train"]])
-        learned = LearnedVerify.from_profile(model, profile, b_max)
+        learned = learned_rule(model, profile, b_max, rows["train"], max_new_tokens)
         model_info, calib = dict(model.info), reliability(model, [r.trace for r in val])
+        model_info["rate"] = learned.rate
     packed = pack_traces([r.trace for r in val], max_new_tokens)
     ctx = [r.prompt_tokens for r in val]
     out_rows: List[Dict[str, Any]] = []

@@ -1,5 +1,5 @@
 """What a complete label folder sums up to: the label histograms and mean tau per candidate, and the one cost
-profile written beside the shards (that of the worker that labelled the most rows)."""
+profile written beside the shards (every worker's on the labelling machine, pooled)."""
 
 from __future__ import annotations
 
@@ -59,10 +59,24 @@ def merge_label_stats(stats: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tuple[CostProfile, int]]:
-    """The cost profile of the worker that labelled the most rows (each shard's metadata holds its worker's,
-    ``blockpilot.cost_profile``; workers are told apart by their measured seconds) and how many distinct profiles
-    the shards hold; None when no shard has one."""
+def machine_of(profile: Dict[str, Any]) -> str:
+    """What must agree for two workers' timings to be pooled: the hardware, device, dtype, the model pair and the
+    grid measured."""
+    keys = ("hardware", "device", "dtype", "target", "draft", "target_revision", "draft_revision", "block_sizes",
+            "context_lengths")
+    return json.dumps({k: profile.get(k) for k in keys}, sort_keys=True, default=str)
+
+
+def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tuple[CostProfile, int, int]]:
+    """The folder's cost profile, how many distinct worker profiles the shards hold (each shard's metadata keeps its
+    worker's, ``blockpilot.cost_profile``; workers are told apart by their measured seconds) and how many were
+    pooled into it; None when no shard has one.
+
+    Every worker on the same machine (hardware, device, dtype, models, grid) as the worker that labelled the most
+    rows is pooled: their raw points refitted together (CostProfile.from_raw). One worker's start-up profile on a
+    busy 2-core machine pins the verify slope to about +-25 % (bootstrap over its points); it is what moves the
+    train-chosen b and every modelled gain between runs of the same labels, and two workers' points halve its
+    variance for free. Workers on other machines stay out: their seconds are another machine's."""
     rows: Dict[str, int] = Counter()
     profiles: Dict[str, Dict[str, Any]] = {}
     for f in manifest["files"]:
@@ -73,4 +87,14 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
             rows[key] += f["rows"]
     if not profiles:
         return None
-    return CostProfile.from_dict(profiles[max(rows, key=rows.get)]), len(profiles)
+    main = profiles[max(rows, key=rows.get)]
+    same = [p for p in profiles.values() if machine_of(p) == machine_of(main)]
+    if len(same) == 1 or not all(p.get("raw") for p in same):
+        return CostProfile.from_dict(main), len(profiles), 1
+    base = CostProfile.from_dict(main)
+    pooled = CostProfile.from_raw([r for p in same for r in p["raw"]],
+                                  {**base.meta, "pooled_workers": len(same),
+                                   "rounds": sum(int(p.get("rounds", 0)) for p in same),
+                                   "stable": all(bool(p.get("stable")) for p in same)})
+    pooled.version = base.version
+    return pooled, len(profiles), len(same)

@@ -89,15 +89,22 @@ class RunningAcceptance:
 
 @dataclass(frozen=True)
 class LearnedVerify:
-    """Verify the k that maximises the expected committed tokens per modelled second of the step:
-    argmax_k (1 + S_1 + ... + S_k) / step_seconds[k - 1], where S_j is the acceptance model's survival of the first
-    j drafted slots (pipeline.policy.acceptance, fitted on the label set's traces) and ``step_seconds[k - 1]`` the
-    cost profile's step at this b_max verifying k drafted tokens (pipeline.policy.cost.CostProfile.step_seconds:
-    the draft's pass, the rule's own work, the verify). Ties go to the smaller k. Reads only the draft's
-    confidences and the accepted count of the previous step, so it stays exact like every rule here."""
+    """Verify the k that maximises a step's expected committed tokens net of its modelled seconds at the decode's
+    own rate: argmax_k (1 + S_1 + ... + S_k) - rate x step_seconds[k - 1], where S_j is the acceptance model's
+    survival of the first j drafted slots (pipeline.policy.acceptance, fitted on the label set's traces),
+    ``step_seconds[k - 1]`` the cost profile's step at this b_max verifying k drafted tokens
+    (pipeline.policy.cost.CostProfile.step_seconds: the draft's pass, the rule's own work, the verify) and ``rate``
+    the tokens per second the rule itself reaches on the train traces (tune finds it by Dinkelbach's iteration:
+    pipeline.evaluation.rule_search.learned_rule). That maximises tokens per second over the whole decode (a
+    renewal-reward argument: a step is worth its tokens less what its seconds would have earned at that rate);
+    the greedy per-step ratio (1 + S_1 + ... + S_k) / step_seconds[k - 1], what ``rate`` = 0 keeps (format version
+    1), verifies slots a long decode cannot afford on an unsure step and cuts too early on a sure one. Ties go to
+    the smaller k. Reads only the draft's confidences and the accepted count of the previous step, so it stays
+    exact like every rule here."""
 
     model: Any  # pipeline.policy.acceptance.AcceptanceModel
     step_seconds: Tuple[float, ...]
+    rate: float = 0.0  # tokens per second; 0 = the per-step ratio (version 1)
     name = "learned"
 
     def __post_init__(self):
@@ -106,8 +113,12 @@ class LearnedVerify:
                              f"{list(self.step_seconds)}")
 
     @classmethod
-    def from_profile(cls, model, profile, block_size: int) -> "LearnedVerify":
-        return cls(model, tuple(float(profile.step_seconds(block_size, k)) for k in range(1, block_size)))
+    def from_profile(cls, model, profile, block_size: int, rate: float = 0.0) -> "LearnedVerify":
+        return cls(model, tuple(float(profile.step_seconds(block_size, k)) for k in range(1, block_size)), float(rate))
+
+    def _value(self, expected, seconds):
+        """What argmax picks k by (elementwise, the same in :meth:`lengths` and :meth:`verify_length`)."""
+        return expected - self.rate * seconds if self.rate > 0 else expected / seconds
 
     def lengths(self, conf, width, prev):
         """k for L steps at once (numpy: ``conf`` [L, W] zero-padded, ``width`` [L] drafted slots, ``prev`` [L]
@@ -119,8 +130,8 @@ class LearnedVerify:
         W = conf.shape[1]
         if W > len(self.step_seconds):
             raise ValueError(f"a block of {W} drafted slots, the rule was built for b_max {len(self.step_seconds) + 1}")
-        gain = self.model.expected_committed(conf, np.asarray(prev), np.asarray(width))
-        gain = gain / self._seconds[None, :W]
+        gain = self._value(self.model.expected_committed(conf, np.asarray(prev), np.asarray(width)),
+                           self._seconds[None, :W])
         gain[np.arange(W)[None, :] >= np.asarray(width)[:, None]] = -np.inf
         return gain.argmax(axis=1) + 1
 
@@ -144,15 +155,16 @@ class LearnedVerify:
         logc = np.log(np.maximum(c, _FLOOR))
         z = a * logc + b * np.cumsum(logc) + by_pos + ((p_first if prev < 0 else p_w * float(max(prev, 0))) + p_c)
         e = 1.0 + np.cumsum(np.cumprod(self.model.calibrate(1.0 / (1.0 + np.exp(-z)))))
-        return int((e / self._seconds[:W]).argmax()) + 1
+        return int(self._value(e, self._seconds[:W]).argmax()) + 1
 
     def describe(self) -> Dict[str, Any]:
-        return {"rule": self.name, "block_size": len(self.step_seconds) + 1}
+        return {"rule": self.name, "block_size": len(self.step_seconds) + 1, "rate": self.rate}
 
     def to_dict(self) -> Dict[str, Any]:
-        """``verify_model.json``: the acceptance model and the step seconds, plain JSON."""
-        return {"format": LEARNED_FORMAT, "version": 1, "rule": self.name, "block_size": len(self.step_seconds) + 1,
-                "step_seconds": list(self.step_seconds), "acceptance_model": self.model.to_dict()}
+        """``verify_model.json``: the acceptance model, the step seconds and the rate, plain JSON (version 2; a
+        version-1 file has no rate and reads as the per-step ratio)."""
+        return {"format": LEARNED_FORMAT, "version": 2, "rule": self.name, "block_size": len(self.step_seconds) + 1,
+                "step_seconds": list(self.step_seconds), "rate": self.rate, "acceptance_model": self.model.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "LearnedVerify":
@@ -160,7 +172,10 @@ class LearnedVerify:
 
         if d.get("format") != LEARNED_FORMAT:
             raise ValueError(f"not a learned verify rule (format {d.get('format')!r}, expected {LEARNED_FORMAT!r})")
-        return cls(AcceptanceModel.from_dict(d["acceptance_model"]), tuple(map(float, d["step_seconds"])))
+        if int(d.get("version", 1)) > 2:
+            raise ValueError(f"learned verify rule version {d['version']} is newer than this reader (2)")
+        return cls(AcceptanceModel.from_dict(d["acceptance_model"]), tuple(map(float, d["step_seconds"])),
+                   float(d.get("rate", 0.0)))
 
 
 LEARNED = LearnedVerify.name

@@ -205,7 +205,8 @@ class TrainConfig:
     # The cost profile (cost_profile.json) the speed targets use; None = the labelling one (labels/cost_profile.json).
     # One label set serves any deployment: give the serving machine's profile here.
     cost_profile: Optional[str] = None
-    # Share of the label set (by prompt-id hash, disjoint from train and val) the fallback margin is calibrated on.
+    # Share of the label set (by prompt-id hash, disjoint from train and val) the MLP's fallback margin is calibrated
+    # on; the ridge policy fits on train + calibration and chooses its penalty and margin by leave-one-out.
     calibration_fraction: float = 0.15
     # Ray Train report (with a checkpoint) every N epochs and at the last: a report is not free
     # (benchmarks/results/train-report-cost.md); a killed run loses at most N - 1 epochs.

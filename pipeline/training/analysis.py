@@ -1,4 +1,5 @@
-"""The held-out analyses of a speed policy: the fallback margin calibrated on the calibration rows, then on the val
+"""The held-out analyses of a speed policy: the fallback margin calibrated on the calibration rows (the ridge
+policy brings its own, from leave-one-out predictions), then on the val
 rows (never seen by the fit nor the calibration) the modelled gain over the fallback b, and the share of the
 oracle's gain, of the policy's raw argmax, the policy with its fallback (the exported policy: MLP or ridge), a ridge
 regression on principal components of the logits with the same calibrated fallback, and a perfect predictor of the
@@ -64,15 +65,24 @@ def with_fallback(pred: np.ndarray, calib: np.ndarray, tau: np.ndarray, costs: n
 
 
 def held_out(model, input_transform: str, x: np.ndarray, splits: Splits, costs: np.ndarray, fallback_index: int,
-             scale: float, n_candidates: Optional[int] = None) -> Dict[str, Any]:
-    """The analyses of the module docstring; ``x`` every row's logits, in the order of ``splits``."""
+             scale: float, n_candidates: Optional[int] = None,
+             calibration: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The analyses of the module docstring; ``x`` every row's logits, in the order of ``splits``. ``calibration``:
+    the policy's margin as its fit chose it (the ridge fit, on leave-one-out predictions: it saw the calibration
+    rows, so they cannot calibrate it again); None = calibrate it on the calibration rows."""
     tau = splits.tau
     target = speed_targets(tau.astype(np.float64), costs, fallback_index)
     out: Dict[str, Any] = {}
     policies: Dict[str, np.ndarray] = {}
     for name, pred in (("policy", mlp_predictions(model, x, input_transform, scale)),
                        ("pca_ridge", ridge_predictions(x, target, splits.train))):
-        best, chosen, cal = with_fallback(pred, splits.calib, tau, costs, fallback_index)
+        if name == "policy" and calibration is not None:
+            best, gain = pred.argmax(axis=1), pred.max(axis=1) - pred[:, fallback_index]
+            cal = calibration
+            chosen = np.full(len(tau), fallback_index) if cal["margin"] is None else \
+                np.where(gain > cal["margin"], best, fallback_index)
+        else:
+            best, chosen, cal = with_fallback(pred, splits.calib, tau, costs, fallback_index)
         policies[f"{name}_argmax"] = best
         policies[f"{name}_with_fallback"] = chosen
         out["calibration" if name == "policy" else "pca_ridge_calibration"] = cal

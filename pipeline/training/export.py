@@ -76,7 +76,8 @@ def export_policy(inp: ExportInput, policy_dir: Path) -> Dict[str, Any]:
     held: Dict[str, Any] = {}
     if p.speed is not None:
         held = held_out(model, t.input_transform, read_logits(p.shards), p.splits, np.asarray(p.costs),
-                        p.fixed_index, p.speed["scale"], len(p.candidates))
+                        p.fixed_index, p.speed["scale"], len(p.candidates),
+                        calibration=inp.history[-1].get("ridge_calibration") if t.model == "ridge" else None)
     policy = BlockSizePolicy(model, p.candidates, p.vocab_size, t.input_transform, policy_metadata(inp, held))
     policy.save_pretrained(policy_dir)
     if p.profile is not None:

@@ -492,7 +492,8 @@ def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
 def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_closed_form(run_dir, tmp_path):
     """train.model=ridge (the default) through Ray Train on the same labels: one report (epoch 0) with its
     checkpoint, a linear policy over the candidates and the rule actions, whose weights are pipeline.training.ridge's
-    closed form on the train split (the penalty chosen on the calibration split), and a rerun that fits nothing."""
+    closed form on the train and calibration splits (the penalty and margin chosen by leave-one-out), and a rerun that
+    fits nothing."""
     from stages import train
     from pipeline.policy.blocksize import BlockSizePolicy, LinearPolicyModel
     from pipeline.training.data import read_logits
@@ -513,10 +514,19 @@ def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_clo
     # The same fit by hand on the driver's view of the rows (the rule actions' columns included).
     p = load_problem(cfg.train, out / "labels")
     x, sp = read_logits(p.shards), p.speed
-    tr, ca = p.splits.train, p.splits.calib
-    expect, info = fit_ridge(x[tr], p.splits.tau[tr], x[ca], p.splits.tau[ca], p.costs, sp["fallback_index"],
-                             sp["scale"])
+    fit_rows = p.splits.train | p.splits.calib  # in label-set order, as the workers gather them (train, then calib)
+    rows = np.r_[np.flatnonzero(p.splits.train), np.flatnonzero(p.splits.calib)]
+    assert len(rows) == fit_rows.sum()
+    expect, info = fit_ridge(x[rows], p.splits.tau[rows], p.costs, sp["fallback_index"], sp["scale"])
     assert info["alpha"] == history[0]["ridge_alpha"]
+    # The exported margin is the fit's leave-one-out one, not one calibrated again on rows the fit saw.
+    assert policy.info["calibration"] == history[0]["ridge_calibration"]
+    got, want = policy.info["calibration"], info["calibration"]
+    assert (got["calibration_rows"], got["calibration_switched"], got["on"]) == \
+        (want["calibration_rows"], want["calibration_switched"], want["on"])
+    assert policy.info["margin"] == got["margin"] and (got["margin"] is None) == (want["margin"] is None)
+    if want["margin"] is not None:
+        assert got["margin"] == pytest.approx(want["margin"], rel=1e-6, abs=1e-9)
     with torch.no_grad():
         assert torch.allclose(policy.model(torch.from_numpy(x)), expect(torch.from_numpy(x)), atol=1e-5)
     assert s["held_out"]["val_rows"] == int(p.splits.val.sum())

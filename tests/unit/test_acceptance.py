@@ -111,6 +111,32 @@ def test_the_search_chooses_by_modelled_time_and_reports_the_oracle():
         search({"train": rows, "val": []}, ["full"], profile, baseline_b=5)
 
 
+def test_the_learned_rule_runs_at_the_rate_it_reaches_itself_on_the_train_traces():
+    """Dinkelbach's fixed point: the rate tune gives the learned rule is the tokens per modelled second that rule
+    reaches on the train traces, and at it the rule is at least as fast there as the per-step ratio (rate 0) and the
+    full block; a rate off the fixed point is slower on the same traces."""
+    from pipeline.evaluation.rule_search import learned_rule
+
+    profile = _profile()
+    rows = [TracedRow(f"p{i}", "s", 10, [4, 5, 6], [12, 11, 10], t) for i, t in enumerate(_traces(40, 4))]
+    model = fit_acceptance([r.trace for r in rows])
+    rule = learned_rule(model, profile, B_MAX, rows)
+
+    def speed(r):
+        sims = [simulate(x.trace, r) for x in rows]
+        return (sum(sum(c) for _, c in sims) /
+                sum(profile.decode_seconds(v, B_MAX, rule=True, context=10) for v, _ in sims))
+
+    assert rule.rate > 0 and speed(rule) == pytest.approx(rule.rate, rel=1e-6)
+    ratio = LearnedVerify.from_profile(model, profile, B_MAX)
+    assert speed(rule) >= speed(ratio) - 1e-12 and speed(rule) >= speed(Full()) - 1e-12
+    assert speed(rule) > speed(LearnedVerify.from_profile(model, profile, B_MAX, rule.rate * 3))
+    # Through its file the rate stays; a version-1 file (no rate) reads as the ratio.
+    assert LearnedVerify.from_dict(rule.to_dict()).rate == rule.rate
+    old = {k: v for k, v in rule.to_dict().items() if k != "rate"}
+    assert LearnedVerify.from_dict({**old, "version": 1}).rate == 0.0
+
+
 def test_the_isotonic_recalibration_mends_a_misspecified_logistic():
     """Acceptance that jumps with the confidence (a step, which a logistic in log c cannot fit): the recalibrated
     model's reliability gap on held-out traces is well below the raw logistic's, and its map is monotone."""

@@ -15,12 +15,13 @@ from pipeline.decoding.engine import Engine, greedy_reference
 from pipeline.decoding.models import load_models
 from pipeline.io.shards import write_parquet_atomic
 from pipeline.labelling.labels import replay_label_prompt
-from pipeline.policy.blocksize import SPEED_SCORE, BlockSizePolicy, LinearPolicyModel, speed_gain, speed_targets
+from pipeline.policy.blocksize import (SPEED_SCORE, BlockSizePolicy, LinearPolicyModel, calibrate_margin, speed_gain,
+                                       speed_targets)
 from pipeline.policy.cost import CostProfile
 from pipeline.policy.step_rules import parse_rule
 from pipeline.runtime.config import ModelConfig
 from pipeline.training.problem import rule_action_columns
-from pipeline.training.ridge import fit_ridge
+from pipeline.training.ridge import fit_ridge, leave_one_out
 
 B_MAX, NEW = 10, 24
 RULES = ["threshold:0.01", "threshold:0.2"]
@@ -66,31 +67,45 @@ def test_a_rule_actions_value_is_the_decoded_rules_modelled_speed(tiny, tmp_path
     assert rule_action_columns([tmp_path / "part-00000.parquet"], [], PROFILE) == ([], {})
 
 
-def test_ridge_is_the_closed_form_on_standardised_logits_read_raw_and_picks_its_penalty_on_calibration():
+def test_ridge_is_the_closed_form_on_standardised_logits_read_raw_its_penalty_and_margin_from_leave_one_out():
     rng = np.random.default_rng(0)
     n, v, a = 60, 40, 4
     x = rng.normal(0, 1, (n, v)) * rng.uniform(0.5, 3, v) + rng.normal(0, 2, v)
     tau = np.exp(x[:, :a] * 0.1 + rng.normal(0, 0.05, (n, a))) + 2
-    xc, tc = x[:20] + rng.normal(0, 0.1, (20, v)), tau[:20]
     costs, scale = [1.0, 1.1, 1.2, 1.3], 0.5
-    model, info = fit_ridge(x, tau, xc, tc, costs, 0, scale, alphas=(1.0, 100.0))
-    assert isinstance(model, LinearPolicyModel) and info["alpha"] in (1.0, 100.0)
+    model, info = fit_ridge(x, tau, costs, 0, scale, alphas=(1.0, 100.0))
+    assert isinstance(model, LinearPolicyModel) and info["alpha"] in (1.0, 100.0) and info["rows"] == n
     # The primal ridge solution on the standardised columns, with the target's mean as intercept.
     mu, sd = x.mean(0), x.std(0)
     z = (x - mu) / sd
     y = speed_targets(tau, np.asarray(costs), 0) / scale
-    w = np.linalg.solve(z.T @ z + info["alpha"] * np.eye(v), z.T @ (y - y.mean(0)))
+
+    def primal(rows, alpha):  # ridge with an unpenalised intercept on the rows given
+        zr, yr = z[rows], y[rows]
+        zc = zr - zr.mean(0)
+        w = np.linalg.solve(zc.T @ zc + alpha * np.eye(v), zc.T @ (yr - yr.mean(0)))
+        return w, yr.mean(0) - zr.mean(0) @ w
+
+    w, b = primal(np.arange(n), info["alpha"])
     with torch.no_grad():
-        got = model(torch.from_numpy(xc).float()).double().numpy()
-    assert got == pytest.approx((xc - mu) / sd @ w + y.mean(0), abs=1e-4)
-    # The chosen penalty is the one whose raw argmax gains most on the calibration rows.
-    scores = info["calibration_argmax_gain"]
+        got = model(torch.from_numpy(x).float()).double().numpy()
+    assert got == pytest.approx(z @ w + b, abs=1e-4)
+    # Leave-one-out for real: refit without row i (the columns' standardisation kept, as the closed form keeps it)
+    # and predict it; the chosen penalty's LOO argmax gain is what the fit reports, and it is the best of the grid.
+    scores = info["loo_argmax_gain"]
     assert scores[str(info["alpha"])] == max(scores.values())
     for alpha in (1.0, 100.0):
-        m2, _ = fit_ridge(x, tau, xc, tc, costs, 0, scale, alphas=(alpha,))
-        with torch.no_grad():
-            pick = m2(torch.from_numpy(xc).float()).argmax(-1).numpy()
-        assert speed_gain(tc, np.asarray(costs), pick, np.zeros(20, int)) == pytest.approx(scores[str(alpha)])
+        loo = np.stack([z[i] @ wi + bi for i in range(n) for wi, bi in [primal(np.delete(np.arange(n), i), alpha)]])
+        assert leave_one_out(z, y, alpha) == pytest.approx(loo, abs=1e-8)
+        assert speed_gain(tau, np.asarray(costs), loo.argmax(1), np.zeros(n, int)) == pytest.approx(
+            scores[str(alpha)], abs=1e-12)
+    # The margin is calibrate_margin's on the chosen penalty's leave-one-out predicted gains (log speed ratios).
+    loo = np.stack([z[i] @ wi + bi for i in range(n)
+                    for wi, bi in [primal(np.delete(np.arange(n), i), info["alpha"])]]) * scale
+    cal = calibrate_margin(loo.max(1) - loo[:, 0], loo.argmax(1), tau, np.asarray(costs), 0)
+    assert info["calibration"]["margin"] == pytest.approx(cal["margin"]) if cal["margin"] is not None else \
+        info["calibration"]["margin"] is None
+    assert info["calibration"]["calibration_rows"] == n
 
 
 def test_a_policy_with_rule_actions_round_trips_folds_and_decodes_its_rule_exactly(tiny, tmp_path):

@@ -18,7 +18,8 @@ B_MAX = 6
 RULES = [Full(), ConfidenceThreshold(0.9), ConfidenceThreshold(0.3), ConfidenceThreshold(0.05),
          ConfidenceThreshold(1.0), ConfidenceThreshold(0.3, min_tokens=2), RunningAcceptance(0.5, 0.0),
          RunningAcceptance(0.3, 2.0), RunningAcceptance(1.0, 1.0), learned_rule(B_MAX),
-         learned_rule(B_MAX, slope=0.05, w_prev=-0.3)]
+         learned_rule(B_MAX, slope=0.05, w_prev=-0.3),
+         learned_rule(B_MAX, rate=2.5), learned_rule(B_MAX, slope=0.05, rate=4.0)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

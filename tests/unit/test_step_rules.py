@@ -14,7 +14,8 @@ from random_pair import EOS_ID, VOCAB, learned_rule, make_pair, prompt
 
 B_MAX = 6
 RULES = [ConfidenceThreshold(0.9), ConfidenceThreshold(0.3), ConfidenceThreshold(1.0), RunningAcceptance(0.5, 0.0),
-         RunningAcceptance(0.3, 2.0), learned_rule(B_MAX), learned_rule(B_MAX, slope=0.05)]
+         RunningAcceptance(0.3, 2.0), learned_rule(B_MAX), learned_rule(B_MAX, slope=0.05),
+         learned_rule(B_MAX, rate=2.5)]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 3])

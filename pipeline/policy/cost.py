@@ -61,6 +61,7 @@ Seconds per decode step (draft forward + target verify) at every block size b in
 | `raw` | every timed point: `{{b, context, round, steps, draft_seconds, verify_seconds}}` (per step, over all steps), warm-ups excluded; version 2 adds `first_draft_seconds`, `first_verify_seconds` (the first step's), `rule` (null, or `{TIMING_RULE}` on the rule's points, which the draft / verify fit leaves out) and `rule_seconds` (per step) |
 | `rule_block_sizes` | version 2: the b the rule's points were timed at |
 | `rounds`, `stable`, `wall_seconds`, `measured_at` | rounds run, whether every b met the tolerance, time spent, when |
+| `pooled_workers` | a label folder's profile only: how many label workers' points (on the same hardware, device, dtype, models and grid) were refitted together; `rounds` is then their sum, `stable` whether every one was |
 
 Version 1 (no `rule`, no `first_step`, per-step costs over all steps) still reads, with both terms 0.
 """

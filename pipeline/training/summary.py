@@ -43,7 +43,7 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
     """What the run logs when it is done, from :func:`train_summary` (plus its ``policy`` path)."""
     f = s["final"]
     lines = [f"done: {s['epochs']} epochs -> {s['policy']}" if "ridge_alpha" not in s["final"] else
-             f"done: ridge (alpha {s['final']['ridge_alpha']:g}, chosen on the calibration split) over "
+             f"done: ridge (alpha {s['final']['ridge_alpha']:g}, chosen by leave-one-out) over "
              f"{len(s['actions'])} actions -> {s['policy']}"]
     if "val_accuracy" in f:
         lines.append(f"val accuracy {f['val_accuracy']:.3f} (majority class {s['val_majority_accuracy']:.3f}); val "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from pipeline.evaluation.rule_search import fixed_seconds, read_traced, search  
 from pipeline.io.shards import list_shards  # noqa: E402
 from pipeline.policy.cost import CostProfile  # noqa: E402
 from pipeline.policy.stats import paired_bootstrap  # noqa: E402
+from pipeline.runtime.config import load_config  # noqa: E402
 
 GRID = ["full", "threshold:0.001", "threshold:0.002", "threshold:0.005", "threshold:0.01", "threshold:0.02",
         "threshold:0.05", "threshold:0.1", "threshold:0.2", "threshold:0.3", "threshold:0.5", "threshold:0.7", "learned"]
@@ -74,10 +74,9 @@ def main() -> None:
                     help="verify per-token slope multipliers (default: %(default)s)")
     ap.add_argument("--write", action="store_true", help="write benchmarks/results/rule-regimes.md")
     args = ap.parse_args()
-    cfg = json.loads(json.dumps(__import__("yaml").safe_load((args.run / "train" / "config.yaml").read_text())))
-    t = cfg["train"]
+    cfg = load_config(config_file=str(args.run / "train" / "config.yaml"))
     t0 = time.perf_counter()
-    rows = read_traced(list_shards(args.run / "labels"), t["val_fraction"], t["calibration_fraction"])
+    rows = read_traced(list_shards(args.run / "labels"), cfg.train.val_fraction, cfg.train.calibration_fraction)
     profile = CostProfile.load(args.run / "train" / "policy" / "cost_profile.json")
     v = profile.fit["verify"]
     step = profile.cost(8)
@@ -88,7 +87,7 @@ def main() -> None:
              "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |"]
     for f in args.factors:
         p = scaled(profile, f)
-        r = regime(rows, p, cfg["decode"]["max_new_tokens"])
+        r = regime(rows, p, cfg.decode.max_new_tokens)
         # A share of an oracle gain under 1 % is noise over a tiny denominator.
         share = "-" if r["learned_captured"] is None or r["oracle"] < 0.01 else f"{r['learned_captured']:.0%}"
         lo, hi = r["learned_vs_threshold_ci95"]

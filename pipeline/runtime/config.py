@@ -248,7 +248,7 @@ class TuneConfig:
     decoded to confirm it."""
 
     # Step rules: threshold:T (verify while the draft's cumulative top-1 probability >= T), ema:ALPHA:SLACK, full,
-    # learned (fitted on the train split's traces: expected committed tokens per modelled second).
+    # learned (fitted on the train split's traces: expected committed tokens net of modelled seconds at its own rate).
     rules: List[str] = field(default_factory=lambda: ["full", "threshold:0.001", "threshold:0.002", "threshold:0.005",
                                                       "threshold:0.01", "threshold:0.02", "threshold:0.05",
                                                       "ema:0.5:1", "learned"])

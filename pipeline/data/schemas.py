@@ -232,8 +232,8 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
     "profile's model.",
     "cost_profile": "The worker's whole cost profile (the `cost_profile.json` format below, raw points included), "
-    "measured once at start-up; `cost_profile.json` beside the shards is the one of the worker that labelled the most "
-    "rows.",
+    "measured once at start-up; `cost_profile.json` beside the shards refits every worker's points that share the "
+    "hardware, device, dtype, models and grid of the worker that labelled the most rows (`pooled_workers`).",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
     "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",

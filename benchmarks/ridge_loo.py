@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.io.storage import read_table  # noqa: E402
 from pipeline.policy.blocksize import calibrate_margin, speed_gain, speed_targets  # noqa: E402
 from pipeline.runtime.config import load_config  # noqa: E402
+from pipeline.training.analysis import apply_margin  # noqa: E402
 from pipeline.training.data import read_logits  # noqa: E402
 from pipeline.training.problem import load_problem  # noqa: E402
 from pipeline.training.ridge import ALPHAS, fit_ridge  # noqa: E402
@@ -47,11 +48,6 @@ def calibration_split_ridge(x, tau, train, calib, costs, fb, scale):
     pred = best[2]
     cal = calibrate_margin((pred.max(1) - pred[:, fb])[calib], pred.argmax(1)[calib], tau[calib], costs, fb)
     return pred, cal["margin"], best[1]
-
-
-def choices(pred, margin, fb):
-    gain = pred.max(1) - pred[:, fb]
-    return np.full(len(pred), fb) if margin is None else np.where(gain > margin, pred.argmax(1), fb)
 
 
 def main() -> None:
@@ -79,7 +75,7 @@ def main() -> None:
     for name, pred, margin, alpha, rows in (("calibration split", old, old_margin, old_alpha, int(s.train.sum())),
                                             ("leave-one-out", new, info["calibration"]["margin"], info["alpha"],
                                              int(fit.sum()))):
-        ch = choices(pred, margin, fb)
+        ch = apply_margin(pred, margin, fb)
         per = [speed_gain(tau[va & (src == k)], costs, ch[va & (src == k)], np.full((va & (src == k)).sum(), fb))
                for k in sorted(set(src))]
         m = "none" if margin is None else f"{margin:.4f}"

@@ -88,10 +88,10 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
     if not profiles:
         return None
     main = profiles[max(rows, key=rows.get)]
-    same = [p for p in profiles.values() if machine_of(p) == machine_of(main)]
+    machine, base = machine_of(main), CostProfile.from_dict(main)
+    same = [p for p in profiles.values() if machine_of(p) == machine]
     if len(same) == 1 or not all(p.get("raw") for p in same):
-        return CostProfile.from_dict(main), len(profiles), 1
-    base = CostProfile.from_dict(main)
+        return base, len(profiles), 1
     pooled = CostProfile.from_raw([r for p in same for r in p["raw"]],
                                   {**base.meta, "pooled_workers": len(same),
                                    "rounds": sum(int(p.get("rounds", 0)) for p in same),

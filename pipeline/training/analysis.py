@@ -1,6 +1,6 @@
 """The held-out analyses of a speed policy: the fallback margin calibrated on the calibration rows (the ridge
-policy brings its own, from leave-one-out predictions), then on the val
-rows (never seen by the fit nor the calibration) the modelled gain over the fallback b, and the share of the
+policy brings its own, from leave-one-out predictions), then on the val rows (never seen by the fit nor the
+calibration) the modelled gain over the fallback b, and the share of the
 oracle's gain, of the policy's raw argmax, the policy with its fallback (the exported policy: MLP or ridge), a ridge
 regression on principal components of the logits with the same calibrated fallback, and a perfect predictor of the
 paper's label (over the block sizes: the rule actions have none).
@@ -59,9 +59,15 @@ def with_fallback(pred: np.ndarray, calib: np.ndarray, tau: np.ndarray, costs: n
     best = pred.argmax(axis=1)
     gain = pred.max(axis=1) - pred[:, fallback_index]
     cal = calibrate_margin(gain[calib], best[calib], tau[calib], costs, fallback_index)
-    fb = np.full(len(tau), fallback_index)
-    chosen = fb if cal["margin"] is None else np.where(gain > cal["margin"], best, fb)
-    return best, chosen, cal
+    return best, apply_margin(pred, cal["margin"], fallback_index), cal
+
+
+def apply_margin(pred: np.ndarray, margin: Optional[float], fallback_index: int) -> np.ndarray:
+    """The choice per row of predicted log speed ratios: the argmax where its gain over the fallback exceeds
+    ``margin``, else the fallback (always the fallback when ``margin`` is None)."""
+    if margin is None:
+        return np.full(len(pred), fallback_index)
+    return np.where(pred.max(axis=1) - pred[:, fallback_index] > margin, pred.argmax(axis=1), fallback_index)
 
 
 def held_out(model, input_transform: str, x: np.ndarray, splits: Splits, costs: np.ndarray, fallback_index: int,
@@ -77,10 +83,8 @@ def held_out(model, input_transform: str, x: np.ndarray, splits: Splits, costs: 
     for name, pred in (("policy", mlp_predictions(model, x, input_transform, scale)),
                        ("pca_ridge", ridge_predictions(x, target, splits.train))):
         if name == "policy" and calibration is not None:
-            best, gain = pred.argmax(axis=1), pred.max(axis=1) - pred[:, fallback_index]
             cal = calibration
-            chosen = np.full(len(tau), fallback_index) if cal["margin"] is None else \
-                np.where(gain > cal["margin"], best, fallback_index)
+            best, chosen = pred.argmax(axis=1), apply_margin(pred, cal["margin"], fallback_index)
         else:
             best, chosen, cal = with_fallback(pred, splits.calib, tau, costs, fallback_index)
         policies[f"{name}_argmax"] = best

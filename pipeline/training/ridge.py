@@ -53,7 +53,7 @@ def fit_ridge(x: np.ndarray, tau: np.ndarray, costs: Sequence[float], fallback_i
     fb = np.full(n, fallback_index)
     scores, loo = {}, {}
     for a in alphas:
-        loo[a] = _leave_one_out(evals, evecs, y, a)
+        loo[a] = _leave_one_out(evals, evecs, proj, y, a)
         scores[a] = speed_gain(tau, costs, loo[a].argmax(axis=1), fb)
     alpha = max(alphas, key=lambda a: (round(scores[a], 12), a))
     pred = loo[alpha] * scale  # log speed ratios, the units of the policy's predicted gain
@@ -71,12 +71,13 @@ def fit_ridge(x: np.ndarray, tau: np.ndarray, costs: Sequence[float], fallback_i
                           "calibration": calibration, "rows": int(n), "train_loss": train_loss}
 
 
-def _leave_one_out(evals: np.ndarray, evecs: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
+def _leave_one_out(evals: np.ndarray, evecs: np.ndarray, proj: np.ndarray, y: np.ndarray, alpha: float
+                   ) -> np.ndarray:
     """Exact leave-one-out predictions [N, |A|] of ridge with an unpenalised intercept, from the eigendecomposition
-    of K = Z Z^T (Z column-centred): y_i - e_i / (1 - H_ii), H = 11^T / N + K (K + alpha I)^-1."""
-    y_mu = y.mean(axis=0)
+    of K = Z Z^T (Z column-centred) and ``proj`` = U^T (y - mean y): y_i - e_i / (1 - H_ii),
+    H = 11^T / N + K (K + alpha I)^-1."""
     shrink = evals / (evals + alpha)
-    fitted = evecs @ ((evecs.T @ (y - y_mu)) * shrink[:, None]) + y_mu
+    fitted = evecs @ (proj * shrink[:, None]) + y.mean(axis=0)
     hat = (evecs ** 2) @ shrink + 1.0 / len(y)
     return y - (y - fitted) / (1.0 - hat).clip(1e-9)[:, None]
 
@@ -84,4 +85,4 @@ def _leave_one_out(evals: np.ndarray, evecs: np.ndarray, y: np.ndarray, alpha: f
 def leave_one_out(z: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
     """:func:`_leave_one_out` of column-centred features ``z`` [N, V] and targets ``y`` [N, |A|]."""
     evals, evecs = np.linalg.eigh(z @ z.T)
-    return _leave_one_out(evals.clip(0), evecs, y, alpha)
+    return _leave_one_out(evals.clip(0), evecs, evecs.T @ (y - y.mean(axis=0)), y, alpha)

@@ -53,9 +53,9 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
     if h.get("val"):
         cal = h["calibration"]
         margin = "none (always the fallback)" if cal["margin"] is None else f"{cal['margin']:.4f}"
+        rows = f"{cal['calibration_rows']} {'leave-one-out ' if cal.get('on') else ''}rows"
         lines.append(f"fallback: the train-chosen b={s['fallback_block_size']}, margin {margin} (calibrated on "
-                     f"{cal['calibration_rows']} {'leave-one-out ' if cal.get('on') else ''}rows: gain {cal['calibration_gain']:+.2%}, "
-                     f"{cal['calibration_switched']} switched)")
+                     f"{rows}: gain {cal['calibration_gain']:+.2%}, {cal['calibration_switched']} switched)")
         shares = ", ".join(f"{k} {v['gain']:+.2%}" + (f" ({v['oracle_gain_captured']:.0%})"
                                                        if v["oracle_gain_captured"] is not None else "")
                            for k, v in h["val"].items())

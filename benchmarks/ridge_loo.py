@@ -29,6 +29,16 @@ from pipeline.training.problem import load_problem  # noqa: E402
 from pipeline.training.ridge import ALPHAS, fit_ridge  # noqa: E402
 
 
+def load_run(run: Path):
+    """(the train problem of a finished run, every row's logits, tau, source), in the problem's row order: what the
+    offline benchmarks of the ridge policy read (this one and set_win_rate.py)."""
+    cfg = load_config(config_file=str(run / "train" / "config.yaml"))
+    p = load_problem(cfg.train, run / "labels")
+    x = read_logits(p.shards).astype(np.float64)
+    src = np.array([v for f in p.shards for v in read_table(f, columns=["source"]).column("source").to_pylist()])
+    return p, x, p.splits.tau.astype(np.float64), src
+
+
 def calibration_split_ridge(x, tau, train, calib, costs, fb, scale):
     """The old fit: ridge on the train rows, the penalty whose raw argmax gains most on the calibration rows, the
     margin calibrated on them; returns predicted log speed ratios for every row and the margin."""
@@ -55,12 +65,8 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="a finished run's output_dir (labels/ and train/)")
     ap.add_argument("--write", action="store_true", help="append the table to benchmarks/results/ridge-loo.md")
     args = ap.parse_args()
-    cfg = load_config(config_file=str(args.run / "train" / "config.yaml"))
-    p = load_problem(cfg.train, args.run / "labels")
+    p, x, tau, src = load_run(args.run)
     s, costs, fb, scale = p.splits, np.asarray(p.costs), p.fixed_index, p.speed["scale"]
-    x = read_logits(p.shards).astype(np.float64)
-    tau = s.tau.astype(np.float64)
-    src = np.array([v for f in p.shards for v in read_table(f, columns=["source"]).column("source").to_pylist()])
     va = s.val
     old, old_margin, old_alpha = calibration_split_ridge(x, tau, s.train, s.calib, costs, fb, scale)
     fit = s.train | s.calib

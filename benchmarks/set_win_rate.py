@@ -21,12 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.io.storage import read_table  # noqa: E402
+from benchmarks.ridge_loo import load_run  # noqa: E402
 from pipeline.policy.blocksize import speed_targets  # noqa: E402
-from pipeline.runtime.config import load_config  # noqa: E402
 from pipeline.training.analysis import apply_margin  # noqa: E402
-from pipeline.training.data import read_logits  # noqa: E402
-from pipeline.training.problem import load_problem  # noqa: E402
 from pipeline.training.ridge import fit_ridge, leave_one_out  # noqa: E402
 
 
@@ -55,12 +52,8 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=4000, help="sets drawn per source and size")
     ap.add_argument("--write", action="store_true", help="append the table to benchmarks/results/set-win-rate.md")
     args = ap.parse_args()
-    cfg = load_config(config_file=str(args.run / "train" / "config.yaml"))
-    p = load_problem(cfg.train, args.run / "labels")
+    p, x, tau, src = load_run(args.run)
     s, costs, fb, scale = p.splits, np.asarray(p.costs), p.fixed_index, p.speed["scale"]
-    x = read_logits(p.shards).astype(np.float64)
-    tau = s.tau.astype(np.float64)
-    src = np.array([v for f in p.shards for v in read_table(f, columns=["source"]).column("source").to_pylist()])
     fit = s.train | s.calib
     chosen, info = out_of_sample_choices(x, tau, fit, costs, fb, scale)
     rows = np.arange(len(tau))

@@ -22,18 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ridge_loo import load_run  # noqa: E402
-from pipeline.policy.blocksize import speed_targets  # noqa: E402
 from pipeline.training.analysis import apply_margin  # noqa: E402
-from pipeline.training.ridge import fit_ridge, leave_one_out  # noqa: E402
+from pipeline.training.ridge import fit_ridge  # noqa: E402
 
 
 def out_of_sample_choices(x, tau, fit, costs, fb, scale):
     """(choice per row, the fit's info): leave-one-out for the fitted rows, the fitted model's for the others."""
     model, info = fit_ridge(x[fit], tau[fit], costs, fb, scale)
-    xf = x[fit]
-    z = (xf - xf.mean(0)) / xf.std(0).clip(1e-6)
     pred = np.empty((len(x), len(costs)))
-    pred[fit] = leave_one_out(z, speed_targets(tau[fit], costs, fb) / scale, info["alpha"]) * scale
+    pred[fit] = info["loo_predictions"]
     with torch.no_grad():
         pred[~fit] = model(torch.from_numpy(x[~fit]).float()).double().numpy() * scale
     return apply_margin(pred, info["calibration"]["margin"], fb), info

@@ -35,7 +35,7 @@ def fit_ridge(x: np.ndarray, tau: np.ndarray, costs: Sequence[float], fallback_i
     """(the linear model, what was chosen) from the rows (x, tau): for every penalty the exact leave-one-out
     predictions; the penalty whose leave-one-out argmax gains most over the fallback (on a tie the stronger), then
     the fallback margin calibrated on its leave-one-out predicted gains (pipeline.policy.blocksize.calibrate_margin,
-    ``info["calibration"]``). Every column is standardised by the rows' mean and spread; both are folded into the
+    ``info["calibration"]``; the predictions, log speed ratios [N, |A|], are ``info["loo_predictions"]``). Every column is standardised by the rows' mean and spread; both are folded into the
     exported weights, so the model reads the raw logits."""
     costs = np.asarray(costs, dtype=np.float64)
     tau = tau.astype(np.float64)
@@ -68,7 +68,8 @@ def fit_ridge(x: np.ndarray, tau: np.ndarray, costs: Sequence[float], fallback_i
         model.input.weight.copy_(torch.from_numpy(w.T).float())
         model.input.bias.copy_(torch.from_numpy(y_mu - mu @ w).float())
     return model.eval(), {"alpha": alpha, "loo_argmax_gain": {str(a): scores[a] for a in alphas},
-                          "calibration": calibration, "rows": int(n), "train_loss": train_loss}
+                          "calibration": calibration, "rows": int(n), "train_loss": train_loss,
+                          "loo_predictions": pred}
 
 
 def _leave_one_out(evals: np.ndarray, evecs: np.ndarray, proj: np.ndarray, y: np.ndarray, alpha: float

@@ -102,6 +102,7 @@ def test_ridge_is_the_closed_form_on_standardised_logits_read_raw_its_penalty_an
     # The margin is calibrate_margin's on the chosen penalty's leave-one-out predicted gains (log speed ratios).
     loo = np.stack([z[i] @ wi + bi for i in range(n)
                     for wi, bi in [primal(np.delete(np.arange(n), i), info["alpha"])]]) * scale
+    assert info["loo_predictions"] == pytest.approx(loo, abs=1e-8)
     cal = calibrate_margin(loo.max(1) - loo[:, 0], loo.argmax(1), tau, np.asarray(costs), 0)
     assert info["calibration"]["margin"] == pytest.approx(cal["margin"]) if cal["margin"] is not None else \
         info["calibration"]["margin"] is None

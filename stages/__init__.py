@@ -18,8 +18,6 @@ class StageInfo:
     # --help`; tests/test_config_cli.py checks them against the stage modules' source).
     sections: Tuple[str, ...]
     module: str
-    # Print the stage's summary as JSON when it ends (`run` prints its own table instead; the JSON is in files).
-    json_summary: bool = True
 
     def load(self) -> Callable:
         try:
@@ -59,6 +57,6 @@ STAGES = {
         StageInfo("run", "prepare -> label -> train -> tune -> evaluate -> report; stages already complete are "
                   "skipped", ("model", "decode", "prepare", "label", "profile", "train", "tune", "evaluate", "workers",
                               "ray"),
-                  "stages.run", json_summary=False),
+                  "stages.run"),
     )
 }

@@ -1,10 +1,12 @@
 """``blockpilot``: the command line of the pipeline.
 
-    blockpilot STAGE [-c FILE.yaml] [key=value ...]
+    blockpilot STAGE [-c FILE.yaml] [key=value ...] [--json]
     blockpilot validate DIR
     blockpilot deploy OUTPUT_DIR [--cost-profile PATH]
 
 Config is merged as schema <- conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
+A stage command ends with its ``done:`` line and a short summary (``run`` with its table); ``--json`` prints the
+stage's whole summary as JSON on stdout for scripts, the log then going to stderr.
 """
 
 from __future__ import annotations
@@ -66,9 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "merged over the packaged default (conf/default.yaml)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
         p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-        p.add_argument("-q", "--quiet", action="count", default=0, help="warnings, errors and the final summary only")
+        p.add_argument("-q", "--quiet", action="count", default=0,
+                       help="warnings, errors and the closing lines only (the done: line and the short summary)")
         p.add_argument("-v", "--verbose", action="count", default=0,
                        help="debug lines, and Ray's, Ray Train's, Ray Data's and transformers' own logs")
+        p.add_argument("--json", action="store_true",
+                       help="print the stage's whole summary (its summary.json) as JSON on stdout when it ends, for "
+                       "scripts; the log goes to stderr")
     v = sub.add_parser("validate", help="check a label dataset folder against its manifest and schema",
                        description="Check a label dataset (row counts, sha256, labels within candidates, finite "
                        "tau >= 1 and logits, unique ids) and print its summary. Exit status 1 on any violation.")
@@ -104,7 +110,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return submit_command(args)
     from pipeline.runtime.log import setup
 
-    setup(max(-1, min(1, args.verbose - args.quiet)))
+    # --json: stdout holds the JSON alone (`blockpilot prepare ... --json | jq .rows`), the log goes to stderr.
+    setup(max(-1, min(1, args.verbose - args.quiet)), sys.stderr if args.json else sys.stdout)
     try:
         cfg = load_config(args.overrides, args.config)
     except ConfigError as err:
@@ -113,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
-    return run_named_stage(args.stage, cfg)
+    return run_named_stage(args.stage, cfg, as_json=args.json)
 
 
 DEPLOY_DESCRIPTION = """\
@@ -141,9 +148,11 @@ def deploy_command(output_dir: str, cost_profile: Optional[str]) -> int:
     return 0
 
 
-def run_named_stage(name: str, cfg: PipelineConfig) -> int:
+def run_named_stage(name: str, cfg: PipelineConfig, as_json: bool = False) -> int:
     """Run the stage the CLI names (``blockpilot NAME``) and return its exit code; the driver's
-    :func:`pipeline.executor.driver.run_stage` runs one shard stage object."""
+    :func:`pipeline.executor.driver.run_stage` runs one shard stage object. The stage's log ends with its ``done:``
+    line and short summary; ``as_json`` (``--json``) prints the returned summary as JSON on stdout besides, and
+    sends what the stage itself prints (``run``'s table) to stderr with the log."""
     from stages import STAGES
 
     try:
@@ -151,8 +160,11 @@ def run_named_stage(name: str, cfg: PipelineConfig) -> int:
     except NotImplementedError as err:
         print(f"blockpilot {name}: {err}", file=sys.stderr)
         return 3
+    import contextlib
+
     try:
-        summary = fn(cfg)
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            summary = fn(cfg)
     except (ConfigError, FileExistsError, FileNotFoundError, PermissionError, ValueError) as err:
         # Expected failures (bad input, drift, unwritable folder): a clear message, no traceback.
         print(f"blockpilot {name}: error: {err}", file=sys.stderr)
@@ -165,8 +177,8 @@ def run_named_stage(name: str, cfg: PipelineConfig) -> int:
             raise
         print(f"blockpilot {name}: error: {message}", file=sys.stderr)
         return 1
-    if summary is not None and STAGES[name].json_summary:
-        print(json.dumps(summary, indent=2, default=str))
+    if as_json and summary is not None:
+        print(json.dumps(summary, indent=2, default=str), flush=True)
     return 0
 
 

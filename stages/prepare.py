@@ -78,6 +78,11 @@ class PrepareStage(ShardStage):
         return {"duplicates": self.stats["duplicates"], "notes": self.stats["notes"],
                 "sources": {name: s["accepted"] for name, s in self.stats["sources"].items()}}
 
+    def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
+        per_source = " ".join(f"{name}:{n}" for name, n in summary.get("sources", {}).items())
+        return [f"prompts per source {per_source or 'none'}; {summary.get('duplicates', 0)} duplicates dropped",
+                *summary.get("notes", [])]
+
     def manifest_extras(self) -> Dict[str, Any]:
         m = self.cfg.model
         return {"duplicates": self.stats["duplicates"], "sources": self.stats["sources"],

@@ -39,10 +39,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     f = profile.fit
-    log("profile").info(f"{out}: draft {f['draft']['intercept'] * 1e3:.3f} + {f['draft']['slope'] * 1e3:.4f} b ms, "
+    log("profile").info(f"done: {profile.meta['rounds']} rounds in {profile.meta['wall_seconds']} s -> {out}")
+    log("profile").info(f"draft {f['draft']['intercept'] * 1e3:.3f} + {f['draft']['slope'] * 1e3:.4f} b ms, "
                         f"verify {f['verify']['intercept'] * 1e3:.3f} + {f['verify']['slope'] * 1e3:.4f} b ms "
-                        f"({profile.meta['rounds']} rounds, stable={profile.meta['stable']}, "
-                        f"{profile.meta['wall_seconds']} s)")
+                        f"(stable={profile.meta['stable']})")
     return {"stage": "profile", "status": "done", "output": str(out),
             "seconds_ms": {b: round(s * 1e3, 3) for b, s in sorted(profile.seconds.items())},
             "spread": {b: round(s, 3) for b, s in sorted(profile.spread.items())}, "fit": f,

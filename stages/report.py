@@ -278,5 +278,6 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
                "plots": sorted(p.name for p in out.glob("*.png")), "headline": headline(root),
                "wall_seconds": round(time.monotonic() - t0, 1)}
     folder.complete(summary)
-    log("report").info(f"{out / 'report.md'} ({', '.join(done)})")
+    log("report").info(f"done: {len(done)} section(s) ({', '.join(done)}), {len(summary['plots'])} plot(s); "
+                       f"{summary['wall_seconds']} s -> {out / 'report.md'}")
     return summary

@@ -88,7 +88,7 @@ class StageFolder:
 
     def skipped(self, summary: Dict[str, Any], t0: float) -> Dict[str, Any]:
         rows = f" ({summary['rows']} rows)" if "rows" in summary else ""
-        log(self.stage).info(f"{self.path}: skipped: complete{rows}")
+        log(self.stage).info(f"done: skipped, {self.path} is complete{rows}")
         return {**summary, "status": "skipped: complete", "skipped": True,
                 "wall_seconds": round(time.monotonic() - t0, 2)}
 

@@ -1,6 +1,7 @@
 """The pipeline's log: one ``[stage] message`` line per event on stdout, through the ``logging`` module.
 
-``blockpilot -q`` shows warnings and the final summary only, the default shows the stages' own lines (one per
+``blockpilot -q`` shows warnings, errors and each stage's closing lines only (its ``done:`` line and the short
+summary after it), the default shows the stages' own lines (one per
 shard, one per few epochs), ``-v`` adds debug lines and lets Ray's, Ray Train's, Ray Data's and transformers'
 own INFO logs and deprecation warnings through (they are silenced by default: they made a default run 900 lines),
 and Ray Data's warnings; stages/ray_executor.py keeps Ray's internal lines out of a default run.
@@ -24,6 +25,25 @@ class _StageFormatter(logging.Formatter):
         return f"[{stage}] {level}{record.getMessage()}"
 
 
+class _ClosingLines(logging.Filter):
+    """``-q``: warnings and errors, and of the INFO lines only a stage's closing ones: its ``done:`` line (the
+    executor's, train's, profile's, report's) and the summary lines it logs after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: set = set()  # loggers that have logged their done: line
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if str(record.msg).startswith(DONE):
+            self.closed.add(record.name)
+        return record.levelno == logging.INFO and record.name in self.closed
+
+
+DONE = "done:"  # how every stage's closing line begins
+
+
 def get(stage: str) -> logging.Logger:
     """The logger of one stage (or part): ``get("label").info(...)`` prints ``[label] ...``."""
     return logging.getLogger(f"{ROOT}.{stage}")
@@ -36,15 +56,18 @@ def verbosity() -> int:
         return 0
 
 
-def setup(level: int = 0) -> None:
-    """Configure the log for a command-line run: our lines on stdout at the chosen level, libraries quiet."""
+def setup(level: int = 0, stream=None) -> None:
+    """Configure the log for a command-line run: our lines on ``stream`` (stdout by default; the CLI's ``--json``
+    sends them to stderr, keeping stdout for the JSON) at the chosen level, libraries quiet."""
     os.environ[ENV] = str(level)
     logger = logging.getLogger(ROOT)
     logger.handlers.clear()
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(_StageFormatter())
+    if level < 0:
+        handler.addFilter(_ClosingLines())
     logger.addHandler(handler)
-    logger.setLevel({-1: logging.WARNING, 0: logging.INFO}.get(level, logging.DEBUG))
+    logger.setLevel(logging.INFO if level <= 0 else logging.DEBUG)
     if level < 1:
         quiet_libraries()
 

@@ -4,6 +4,7 @@ environment the CLI's log setup leaves for Ray's processes, and the lines the st
 against the patterns of the Ray lines a default run printed before (copied below from such a run's log).
 """
 
+import json
 import logging
 import os
 import re
@@ -151,3 +152,71 @@ def test_a_source_is_one_line():
     for src, line in zip(cfg.evaluate.sources, lines):
         assert line.startswith(f"source {src.name!r} ({src.kind} {src.path}, limit 2): ") and \
             "2 accepted" in line, line
+
+
+# ---- how a stage command ends (issue #36): its done: line and a short summary; JSON only with --json -------------
+
+# Small real runs of the Ray-free stage commands (the bundled tiny pair and prompts); label, train, tune, evaluate and
+# report end the same way through the same code (tests/integration/test_stages.py::test_each_stage_ends_with_*).
+PREPARE = ["prepare.limit=2", "prepare.sources=[{name: code, kind: bundled, path: code}, "
+           "{name: docs, kind: bundled, path: docs}]"]
+PROFILE = ["profile.context_lengths=[16]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
+           "profile.max_block_size=3"]
+
+
+def closing(lines, stage):
+    """The stage's lines from its done: line on."""
+    done = [i for i, ln in enumerate(lines) if ln.startswith(f"[{stage}] done: ")]
+    assert done, lines
+    return lines[done[-1]:]
+
+
+def cli(capsys, *args):
+    from stages.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    return out.splitlines(), err.splitlines()
+
+
+@pytest.mark.parametrize("stage, extra", [("prepare", PREPARE), ("profile", PROFILE)])
+def test_a_stage_command_ends_with_its_done_line_and_a_short_summary(clean_log, capsys, tmp_path, stage, extra):
+    out, err = cli(capsys, stage, f"output_dir={tmp_path}", *extra)
+    tail = closing(out, stage)
+    assert out[-len(tail):] == tail and 2 <= len(tail) <= 3, out  # the done line and one or two summary lines
+    assert problems(out) == [] and not any(ln.startswith("{") for ln in out), out  # no JSON, no dict
+    assert all(ln.startswith(f"[{stage}] ") for ln in out) and len(out) <= 12, out
+    saved = json.loads((tmp_path / ("prompts/summary.json" if stage == "prepare" else "cost_profile.json"))
+                       .read_text())
+    if stage == "prepare":  # the summary line says what summary.json holds
+        assert tail[0].endswith(f"-> {tmp_path / 'prompts'}") and f"done: {saved['rows']} rows" in tail[0]
+        assert tail[1] == f"[prepare] prompts per source code:2 docs:2; {saved['duplicates']} duplicates dropped"
+    else:
+        assert tail[0].endswith(f"-> {tmp_path / 'cost_profile.json'}") and \
+            f"done: {saved['rounds']} rounds in {saved['wall_seconds']} s" in tail[0]
+    # -q: the closing lines alone (of a fresh run: the same lines, but for what it measured).
+    out_q, _ = cli(capsys, stage, "-q", f"output_dir={tmp_path / 'q'}", *extra)
+    assert closing(out_q, stage) == out_q and len(out_q) == len(tail), (out_q, tail)
+
+
+def test_json_only_on_request_and_then_alone_on_stdout(clean_log, capsys, tmp_path):
+    out, err = cli(capsys, "prepare", f"output_dir={tmp_path}", *PREPARE, "--json")
+    summary = json.loads("\n".join(out))  # stdout is the JSON and nothing else
+    assert summary == json.loads((tmp_path / "prompts" / "summary.json").read_text())
+    assert summary["rows"] == 4 and summary["sources"] == {"code": 2, "docs": 2}
+    assert closing(err, "prepare")[0].startswith("[prepare] done: 4 rows")  # the log went to stderr
+    # A rerun is skipped, and says so on its closing line; without --json, no JSON.
+    out, err = cli(capsys, "prepare", f"output_dir={tmp_path}", *PREPARE)
+    assert out[-1] == f"[prepare] done: skipped, {tmp_path / 'prompts'} is complete (4 rows)" and err == []
+    assert problems(out) == []
+
+
+def test_every_stage_command_takes_json():
+    from stages import STAGES
+    from stages.cli import build_parser
+
+    parser = build_parser()
+    for name in STAGES:
+        assert parser.parse_args([name, "--json"]).json is True, name
+        assert parser.parse_args([name]).json is False, name

@@ -44,22 +44,55 @@ def test_the_check_catches_the_lines_a_default_run_printed():
 
 # ---- what ray.init gets --------------------------------------------------------------------------------------
 
+def ray_would(kwargs, env):
+    """What Ray itself makes of a plan, read through Ray's own code (no Ray started): whether ray.init takes every
+    argument, whether its log level lets INFO / WARNING through, and whether Ray Train's controller would start its
+    preemption watcher under that environment (it reads the flag with ray_constants.env_bool)."""
+    import inspect
+
+    import ray
+    from ray._private import ray_constants
+    from ray.train.v2._internal.constants import DEFAULT_ENABLE_PREEMPTION_WATCHER, ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+    params = inspect.signature(ray.init).parameters
+    unknown = [k for k in kwargs if k not in params]
+    ray_logger = logging.Logger("ray-plan")
+    ray_logger.setLevel(kwargs["logging_level"])
+    saved = dict(os.environ)
+    try:
+        os.environ.pop(ENABLE_PREEMPTION_WATCHER_ENV_VAR, None)
+        os.environ.update(env)
+        watcher = ray_constants.env_bool(ENABLE_PREEMPTION_WATCHER_ENV_VAR, DEFAULT_ENABLE_PREEMPTION_WATCHER)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {"unknown_args": unknown, "info": ray_logger.isEnabledFor(logging.INFO),
+            "warning": ray_logger.isEnabledFor(logging.WARNING), "preemption_watcher": watcher,
+            "starts_local": kwargs.get("address") in (None, "local"),
+            "resources": {k: kwargs[k] for k in ("num_cpus", "num_gpus", "resources") if kwargs.get(k) is not None}}
+
+
 @pytest.mark.parametrize("address", [None, "local"])
 def test_a_local_ray_has_no_preemption_watcher_and_quiet_ray_logs(address):
     kwargs, env = ray_init_plan(RayConfig(address=address, num_cpus=3), verbosity=0, environ={})
-    assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"  # its actor's creation logged a core_worker.cc line
-    assert kwargs["num_cpus"] == 3 and kwargs["address"] == address
-    assert kwargs["logging_level"] == logging.WARNING and kwargs["include_dashboard"] is False
+    ray = ray_would(kwargs, env)
+    assert ray["unknown_args"] == []  # ray.init takes every argument of the plan
+    assert ray["preemption_watcher"] is False  # its actor's creation logged a core_worker.cc line
+    assert ray["starts_local"] and ray["resources"] == {"num_cpus": 3}  # a new Ray of the config's size
+    assert not ray["info"] and ray["warning"]  # Ray's INFO lines off, its warnings on
     assert kwargs["log_to_driver"] is True  # the actors' own lines (and tracebacks) still reach the terminal
 
 
 def test_a_cluster_keeps_its_preemption_watcher_and_verbose_lets_ray_info_through():
-    kwargs, env = ray_init_plan(RayConfig(address="ray://head:10001"), verbosity=1, environ={})
-    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in env  # a cluster's nodes can be drained
-    assert kwargs["address"] == "ray://head:10001" and "num_cpus" not in kwargs
-    assert kwargs["logging_level"] == logging.INFO
-    kwargs, env = ray_init_plan(RayConfig(), verbosity=0, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
-    assert kwargs["address"] == "10.0.0.1:6379" and "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in env
+    kwargs, env = ray_init_plan(RayConfig(address="ray://head:10001", num_cpus=3), verbosity=1, environ={})
+    ray = ray_would(kwargs, env)
+    assert ray["unknown_args"] == [] and ray["preemption_watcher"] is True  # a cluster's nodes can be drained
+    # Joining: the cluster's address, and no resources (ray.init refuses num_cpus / num_gpus for an existing one).
+    assert not ray["starts_local"] and kwargs["address"] == "ray://head:10001" and ray["resources"] == {}
+    assert ray["info"]  # -v
+    kwargs, env = ray_init_plan(RayConfig(num_gpus=2), verbosity=0, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
+    ray = ray_would(kwargs, env)  # `ray job submit` sets RAY_ADDRESS: the job joins that cluster
+    assert kwargs["address"] == "10.0.0.1:6379" and ray["resources"] == {} and ray["preemption_watcher"] is True
 
 
 @pytest.fixture

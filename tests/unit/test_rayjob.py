@@ -1,5 +1,6 @@
-"""jobs/rayjob.yaml, the KubeRay example: it parses as a RayJob with the keys KubeRay documents, and its entrypoint
-is what `blockpilot submit --dry-run` prints for the same stage, config and overrides (no cluster, no Kubernetes).
+"""jobs/rayjob.yaml, the KubeRay example: a RayJob with the keys KubeRay documents, whose values do what the README
+says (four one-GPU label pods, its clean-up, the code and output in one bucket), and whose entrypoint is what
+`blockpilot submit --dry-run` prints for the same stage, config and overrides (no cluster, no Kubernetes).
 
 The keys, as KubeRay's RayJob API (ray.io/v1) spells them: ray-project/kuberay
 ray-operator/config/samples/ray-job.sample.yaml and docs.ray.io's RayJob quickstart.
@@ -19,7 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 RAYJOB = REPO / "jobs" / "rayjob.yaml"
 SPEC_KEYS = {"entrypoint", "runtimeEnvYAML", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
              "activeDeadlineSeconds", "submissionMode", "rayClusterSpec"}
-SUBMISSION_MODES = {"K8sJobMode", "HTTPMode", "SidecarMode", "InteractiveMode"}
 STAGE, CONFIG = "label", "published:qwen3-8b"
 
 
@@ -29,19 +29,61 @@ def job():
     return doc
 
 
-def test_the_rayjob_parses_with_the_keys_kuberay_documents(job):
+def gpus(container):
+    resources = container["resources"]
+    return {k: int(resources[k].get("nvidia.com/gpu", 0)) for k in ("requests", "limits")}
+
+
+def test_the_rayjob_runs_the_label_actors_on_four_gpus_and_cleans_up_as_documented(job):
+    """The values that decide what the job does, against what the README and the published config say: four
+    one-GPU worker pods (README), one label actor per GPU (the published config's label.num_workers is null) with
+    its workers.cpus_per_worker CPUs beside, no GPU on the head, a fixed-size cluster, the same image and Secret on
+    every pod, a Ray version the package accepts, the cluster deleted 10 minutes after the job and a hung job
+    stopped after 6 h (README), and the code and the output in the one bucket the Secret's credentials reach."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from pipeline.runtime.config import load_config
+
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
-    assert SPEC_KEYS <= set(spec)
-    assert spec["submissionMode"] in SUBMISSION_MODES
-    assert spec["shutdownAfterJobFinishes"] is True  # ttlSecondsAfterFinished only acts with it
-    for key in ("ttlSecondsAfterFinished", "activeDeadlineSeconds"):
-        assert isinstance(spec[key], int) and spec[key] > 0
+    assert SPEC_KEYS <= set(spec) and spec["submissionMode"] == "K8sJobMode"  # the job's log in the submitter pod
+    # Clean-up: ttlSecondsAfterFinished acts only with shutdownAfterJobFinishes.
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 10 * 60  # README's
+    assert spec["activeDeadlineSeconds"] == 6 * 3600  # README: "stops a hung job after 6 h"
+    # Resources: the head plans and writes manifests, every GPU is a worker pod's.
+    cluster = spec["rayClusterSpec"]
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert all(gpus(c) == {"requests": 0, "limits": 0} for c in head["template"]["spec"]["containers"])
+    cfg = load_config([], CONFIG)
+    assert cfg.label.num_workers is None  # one label actor per GPU the cluster has
+    total = 0
+    for group in cluster["workerGroupSpecs"]:
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]  # no autoscaling mid-label
+        (container,) = group["template"]["spec"]["containers"]
+        g = gpus(container)
+        assert g["requests"] == g["limits"] >= 1  # Kubernetes takes extended resources only with requests == limits
+        assert float(container["resources"]["requests"]["cpu"]) >= g["limits"] * cfg.workers.cpus_per_worker
+        assert group["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        total += group["replicas"] * g["limits"]
+    assert total == 4  # README: four one-GPU worker pods
+    # Every pod: the same image (one Ray version across the cluster) and the same Secret (the driver on the head
+    # writes manifests, the workers write shards).
+    pods = [head, *cluster["workerGroupSpecs"]]
+    containers = [c for p in pods for c in p["template"]["spec"]["containers"]]
+    assert len({c["image"] for c in containers}) == 1
+    assert all(c.get("envFrom") == [{"secretRef": {"name": "blockpilot-s3"}}] for c in containers)
+    ray_req = next(Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "dependencies"] if Requirement(r).name == "ray")
+    assert Version(cluster["rayVersion"]) in ray_req.specifier, (cluster["rayVersion"], str(ray_req))
+    # The code travels as a zip in the bucket the output goes to.
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])  # a YAML document inside a string
-    assert isinstance(runtime_env, dict) and runtime_env["working_dir"].endswith(".zip")
-    workers = spec["rayClusterSpec"]["workerGroupSpecs"]
-    assert workers and all(w["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
-                           for w in workers)  # the label actors run on GPU nodes
+    output = next(w for w in shlex.split(spec["entrypoint"]) if w.startswith("output_dir="))
+    bucket = output.split("=", 1)[1].split("/")[2]
+    assert runtime_env["working_dir"].startswith(f"s3://{bucket}/") and runtime_env["working_dir"].endswith(".zip")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="submit's upload rule reads the checkout with git")

@@ -11,17 +11,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from pipeline.runtime.config import load_config
 from pipeline.io.shards import decode_metadata
-from pipeline.executor.card import LAYOUT_DOC, front_matter
+from pipeline.executor.card import LAYOUT_DOC
 from pipeline.executor.driver import run_stage
 from pipeline.executor.folder import mark_complete
 from pipeline.executor.local import LocalExecutor
 from pipeline.executor.manifest import MANIFEST_VERSION
 from pipeline.executor.stage import Plan, ShardStage, tasks_from_shards
 from pipeline.io.layout import INPUT_REJECTS, REJECTS_DIR
-from pipeline.io.shards import file_sha256, list_shards, shard_name, write_parquet_atomic
+from pipeline.io.shards import list_shards, shard_name, write_parquet_atomic
 from pipeline.io.storage import location, read_table
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("x", pa.int64())])
@@ -115,15 +116,17 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
     assert m["manifest_version"] == MANIFEST_VERSION and m["stage"] == "squares" and m["schema_version"] == "7"
     assert [(f["file"], f["rows"], f["rejects"], f["input_rows"]) for f in m["files"]] == [
         ("part-00000.parquet", 3, 0, 3), ("part-00001.parquet", 2, 1, 3), ("part-00002.parquet", 2, 0, 2)]
-    for f in m["files"]:
-        assert f["sha256"] == file_sha256(out / f["file"]) and f["bytes"] == (out / f["file"]).stat().st_size
+    for f in m["files"]:  # each shard's sha256 and size, from its bytes here
+        data = (out / f["file"]).read_bytes()
+        assert f["sha256"] == hashlib.sha256(data).hexdigest() and f["bytes"] == len(data)
     assert m["rows"] == 7 and m["shards"] == 3 and m["rejects"] == 2 and m["rejects_file"] == "rejects.jsonl"
     assert m["rejects_by_reason"] == {"empty": 1, "negative": 1} and m["rejects_by_source"] == {"toy": 2}
     assert m["rejects_by_worker"] == {"driver": 1}  # the input reject names no worker
     assert m["fingerprint"] == {"power": 2, "schema_version": "7"}
     assert json.loads((out / "fingerprint.json").read_text()) == m["fingerprint"]
     # the fingerprint's sha256: of its canonical JSON (sorted keys, compact), recomputed here
-    assert m["fingerprint_sha256"] == hashlib.sha256(b'{"power": 2, "schema_version": "7"}').hexdigest()
+    fingerprint_sha = hashlib.sha256(b'{"power": 2, "schema_version": "7"}').hexdigest()
+    assert m["fingerprint_sha256"] == fingerprint_sha
     assert m["summary"] == {"sum_of_squares": 1 + 4 + 9 + 16 + 36 + 49 + 64}
     # rejects: one file per shard (written before the shard), the input rejects, and all of them in one file
     assert (out / REJECTS_DIR / "part-00001.jsonl").read_text().count("\n") == 1
@@ -135,18 +138,28 @@ def test_manifest_format_rejects_layout_and_shards(tmp_path, inputs):
                               "worker": "driver"}
     # every shard carries the stamp the done check reads
     meta = decode_metadata(pq.read_schema(out / "part-00001.parquet").metadata)
-    assert meta["fingerprint_sha256"] == m["fingerprint_sha256"] and meta["input_shard"] == "part-00001.parquet"
+    assert meta["fingerprint_sha256"] == fingerprint_sha and meta["input_shard"] == "part-00001.parquet"
     assert meta["stage"] == "squares" and "package_version" in meta
     # the resolved config's sha256: of config.yaml's bytes, as config.sha256 records it
     config_sha = hashlib.sha256((out / "config.yaml").read_bytes()).hexdigest()
     assert meta["config_sha256"] == config_sha == (out / "config.sha256").read_text().strip()
     # the summary, the card (with the shared layout section), the resolved config, _SUCCESS
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["rows"] == summary["rows"] == 7 and summary["rejects"] == 2 and summary["status"] == "done"
-    assert summary["sum_of_squares"] == m["summary"]["sum_of_squares"]
+    assert saved == {k: v for k, v in summary.items()}  # summary.json is what the stage returned
+    assert (summary["rows"], summary["rejects"], summary["shards"], summary["status"]) == (7, 2, 3, "done")
+    assert summary["sum_of_squares"] == 1 + 4 + 9 + 16 + 36 + 49 + 64  # the squares of the 7 accepted numbers
+    # The card: YAML front matter naming the shards as the only data files (load_dataset(DIR) reads nothing else)
+    # and carrying the folder's content hash (the sorted "name sha256" lines of the shards, hashed here), then the
+    # stage's own card and the shared layout section.
     card = (out / "README.md").read_text()
-    assert card.startswith(front_matter(m) + "# Squares\n") and LAYOUT_DOC.strip() in card
-    assert 'path: "part-*.parquet"' in front_matter(m)  # load_dataset(DIR) reads the shards and nothing else
+    _, yaml_text, body = card.split("---\n", 2)
+    (config,) = yaml.safe_load(yaml_text)["configs"]
+    assert config["data_files"] == [{"split": "train", "path": "part-*.parquet"}]
+    shards = [f"part-0000{i}.parquet" for i in range(3)]
+    content = "\n".join(f"{n} {hashlib.sha256((out / n).read_bytes()).hexdigest()}" for n in shards)
+    assert config["description"] == f"blockpilot squares shards, content sha256 " \
+        f"{hashlib.sha256(content.encode()).hexdigest()}"
+    assert body.startswith("# Squares\n") and LAYOUT_DOC.strip() in body
     assert (out / "config.yaml").exists() and (out / "_SUCCESS").exists()
     assert stage.setups == 1  # once per worker, not per shard
 

@@ -104,12 +104,12 @@ class LabelStage(DecodingStage):
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
-        from pipeline.policy.cost import profile_for
+        from pipeline.decoding.load_profile import profile_with_load
 
         super().setup(worker)
         # The cost model, once per worker on its own device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and
         # verify timed apart; it goes into every shard's metadata and, at the end, into the folder's cost profile.
-        self.cost_profile = profile_for(self.engine, self.cfg, self.block_size, self.candidates,
+        self.cost_profile = profile_with_load(self.engine, self.cfg, self.block_size, self.candidates,
                                         {**self.revisions, "worker": worker.identity})
         self.step_cost = self.cost_profile.costs(self.candidates)
 
@@ -199,7 +199,7 @@ class LabelStage(DecodingStage):
                 "step_cost_ms": {b: round(chosen.cost(b) * 1e3, 3) for b in self.candidates}}
 
     def card(self, manifest: Dict[str, Any]) -> str:
-        from pipeline.policy.cost import FORMAT_DOC
+        from pipeline.policy.load_cost import PROFILE_DOC as FORMAT_DOC
 
         return labels_card("\n" + FORMAT_DOC)
 

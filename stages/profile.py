@@ -18,7 +18,8 @@ from pipeline.io.storage import location
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     import torch
 
-    from pipeline.policy.cost import FILENAME, profile_for
+    from pipeline.policy.cost import FILENAME
+    from pipeline.decoding.load_profile import profile_with_load
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models, model_revision
     from stages.label import trained_block_size
@@ -35,7 +36,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
                  "draft_revision": model_revision(m.draft, m.draft_revision)}
     log("profile").info(f"timing draft and verify per step at b = 1..{cfg.profile.max_block_size or 2 * B} on "
                         f"{models.device}/{str(models.dtype).replace('torch.', '')}")
-    profile = profile_for(engine, cfg, B, (), {**revisions, "worker": "profile"})
+    profile = profile_with_load(engine, cfg, B, (), {**revisions, "worker": "profile"})
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     f = profile.fit
@@ -43,6 +44,11 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     log("profile").info(f"draft {f['draft']['intercept'] * 1e3:.3f} + {f['draft']['slope'] * 1e3:.4f} b ms, "
                         f"verify {f['verify']['intercept'] * 1e3:.3f} + {f['verify']['slope'] * 1e3:.4f} b ms "
                         f"(stable={profile.meta['stable']})")
+    for c, part in (profile.meta.get("load") or {}).items():
+        f_c = part["fit"]
+        log("profile").info(f"c={c}: draft {f_c['draft']['intercept'] * 1e3:.3f} + {f_c['draft']['slope'] * 1e3:.4f} b "
+                            f"ms, verify {f_c['verify']['intercept'] * 1e3:.3f} + "
+                            f"{f_c['verify']['slope'] * 1e3:.4f} b ms per batched step")
     return {"stage": "profile", "status": "done", "output": str(out),
             "seconds_ms": {b: round(s * 1e3, 3) for b, s in sorted(profile.seconds.items())},
             "spread": {b: round(s, 3) for b, s in sorted(profile.spread.items())}, "fit": f,

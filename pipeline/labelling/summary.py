@@ -97,4 +97,8 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
                                    "rounds": sum(int(p.get("rounds", 0)) for p in same),
                                    "stable": all(bool(p.get("stable")) for p in same)})
     pooled.version = base.version
+    if all(p.get("load") for p in same):  # the load grid's points pooled the same way
+        from pipeline.policy.load_cost import pool_load
+
+        pooled.meta["load"] = pool_load([p["load"] for p in same], base.meta.get("context_lengths") or [])
     return pooled, len(profiles), len(same)

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 FORMAT = "blockpilot.cost_profile"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 TIMING_RULE = "threshold:0"  # verifies every drafted token, doing all of a threshold rule's work
 from pipeline.io.layout import COST_PROFILE as FILENAME  # noqa: E402
 
@@ -63,8 +63,12 @@ Seconds per decode step (draft forward + target verify) at every block size b in
 | `rounds`, `stable`, `wall_seconds`, `measured_at` | rounds run, whether every b met the tolerance, time spent, when |
 | `pooled_workers` | a label folder's profile only: how many label workers' points (on the same hardware, device, dtype, models and grid) were refitted together; `rounds` is then their sum, `stable` whether every one was |
 
-Version 1 (no `rule`, no `first_step`, per-step costs over all steps) still reads, with both terms 0.
-"""
+Version 1 (no `rule`, no `first_step`, per-step costs over all steps) still reads, with both terms 0. Version 3
+(pipeline/policy/load_cost.py) adds the concurrency axis; a profile without it reads as c = 1 at every load:
+
+| key | meaning |
+| --- | --- |
+{{LOAD}}"""
 
 
 def hardware_info(device: str = "cpu") -> Dict[str, Any]:

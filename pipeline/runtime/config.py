@@ -168,6 +168,11 @@ class ProfileConfig:
     min_repeats: int = 3
     max_repeats: int = 5
     rel_tol: float = 0.02
+    # Concurrencies (streams decoding together) timed on the batched engine, 1 first: c = 1 is the batch-1 profile
+    # above, each c > 1 times c streams at every other b (pipeline/decoding/load_profile.py).
+    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])
+    # Rounds of the load grid (every (b, c) once per round, shuffled).
+    load_rounds: int = 2
 
 
 @dataclass
@@ -346,6 +351,9 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(pr.steps >= 1, "profile.steps", "must be >= 1")
     _check(1 <= pr.min_repeats <= pr.max_repeats, "profile.min_repeats", "must be in [1, profile.max_repeats]")
     _check(pr.rel_tol > 0, "profile.rel_tol", "must be > 0")
+    _check(bool(pr.concurrency) and pr.concurrency[0] == 1 and sorted(set(pr.concurrency)) == list(pr.concurrency),
+           "profile.concurrency", "must be ascending distinct concurrencies starting at 1, e.g. [1, 4, 16]")
+    _check(pr.load_rounds >= 1, "profile.load_rounds", "must be >= 1")
     _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
     _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")

@@ -1,0 +1,84 @@
+"""Timing the batched engine at every (b, c): the ``load`` part of ``cost_profile.json`` (pipeline.policy.load_cost).
+
+For each c > 1 of the grid and each b, c streams of random prompts (one context length at a time, stop tokens off)
+decode together at block size b on :class:`pipeline.decoding.batched.BatchedEngine`; a point is the median draft and
+verify seconds over the run's steady steps (every row running, the first step of the run left out: it drafts over
+the whole prompts' features). Rounds visit the grid in a shuffled order so that load that comes and goes on a shared
+machine hits every point alike. The c = 1 part stays :func:`pipeline.policy.cost.measure_profile`'s (the batch-1
+engine, as every c = 1 result is measured).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.decoding.batched import BatchedEngine, fixed
+from pipeline.policy.load_cost import fit_load
+
+
+def load_block_sizes(block_sizes: Sequence[int]) -> List[int]:
+    """The b timed under load: 1, 2 and every other b up to the largest (the fit is affine in b: a point every
+    other b is enough to check it, at half the start-up time), the largest included."""
+    top = max(block_sizes)
+    return sorted({1, 2, top} | set(range(2, top + 1, 2)))
+
+
+def measure_load(engine, block_sizes: Sequence[int], concurrency: Sequence[int], vocab_size: int,
+                 context_lengths: Sequence[int] = (64,), steps: int = 16, rounds: int = 2,
+                 seed: int = 0) -> Dict[str, Any]:
+    """{"load": {c: {seconds, measured, fit, raw}}, "load_seconds": wall} for every c > 1 of ``concurrency``."""
+    t0 = time.perf_counter()
+    grid_c = sorted({int(c) for c in concurrency if int(c) > 1})
+    if not grid_c:
+        return {"load": {}, "load_seconds": 0.0}
+    batched = BatchedEngine(engine)
+    g = torch.Generator().manual_seed(seed)
+    prompts = {ctx: [torch.randint(0, max(2, vocab_size - 8), (int(ctx),), generator=g).tolist()
+                     for _ in range(max(grid_c))] for ctx in context_lengths}
+    points = [(b, c, ctx) for c in grid_c for b in block_sizes for ctx in context_lengths]
+    rng = np.random.default_rng(seed)
+    saved, engine.stop_token_ids = engine.stop_token_ids, None
+    raw: Dict[int, List[Dict[str, Any]]] = {c: [] for c in grid_c}
+    try:
+        batched.run(prompts[context_lengths[0]][:2], slots=2, max_new_tokens=8, choose=fixed(2))  # warm-up
+        for rnd in range(1, rounds + 1):
+            for i in rng.permutation(len(points)):
+                b, c, ctx = points[i]
+                # Every stream commits >= 1 token a step: 2 * steps + 1 tokens keep all c rows running for at least
+                # `steps` steps when acceptance is low (random prompts), fewer when the draft guesses well.
+                run = batched.run(prompts[ctx][:c], slots=c, max_new_tokens=2 * steps + 1, choose=fixed(b))
+                full = [s for s in run.steps if s.kind == "decode" and s.rows == c][1:]
+                if not full:
+                    continue
+                raw[c].append({"b": int(b), "context": int(ctx), "round": rnd, "steps": len(full),
+                               "draft_seconds": float(np.median([s.draft_seconds for s in full])),
+                               "verify_seconds": float(np.median([s.verify_seconds for s in full]))})
+    finally:
+        engine.stop_token_ids = saved
+    load = {}
+    for c in grid_c:
+        part = fit_load(raw[c], sorted({p["b"] for p in raw[c]}), list(context_lengths))
+        load[str(c)] = {"seconds": {str(b): v for b, v in part["seconds"].items()},
+                        "measured": {str(b): v for b, v in part["measured"].items()},
+                        "fit": part["fit"], "raw": part["raw"]}
+    return {"load": load, "load_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def profile_with_load(engine, cfg, trained_block_size: int, candidates: Sequence[int] = (), meta=None):
+    """The profile ``cfg.profile`` asks for: the c = 1 profile (pipeline.policy.cost.profile_for) with, for every
+    c > 1 of ``profile.concurrency``, the batched engine's seconds per step at every other b (format version 3)."""
+    from pipeline.policy.cost import profile_for
+
+    profile = profile_for(engine, cfg, trained_block_size, candidates, meta)
+    p = cfg.profile
+    vocab = int(engine.target.get_output_embeddings().weight.shape[0])
+    load = measure_load(engine, load_block_sizes(profile.seconds), p.concurrency, vocab,
+                        context_lengths=p.context_lengths, steps=p.steps, rounds=p.load_rounds, seed=cfg.decode.seed)
+    profile.meta.update(concurrency=[int(c) for c in p.concurrency], **load)
+    profile.meta["wall_seconds"] = round(float(profile.meta.get("wall_seconds", 0.0)) + load["load_seconds"], 2)
+    profile.version = 3
+    return profile

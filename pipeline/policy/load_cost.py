@@ -1,0 +1,164 @@
+"""The cost of a step under load: seconds per batched decode step at every (b, c), and the model of a ragged step.
+
+``cost_profile.json`` version 3 adds a concurrency axis to version 2 (:mod:`pipeline.policy.cost`): the top level
+stays the c = 1 profile, measured by the batch-1 engine as before, and ``load`` holds, per c > 1, what
+:func:`pipeline.decoding.load_profile.measure_load` timed on the batched engine (c streams at one b): the median
+steady seconds per step of the draft and of the verify at each b, and an affine fit in b per component. A profile
+without ``load`` reads as c = 1 at every load.
+
+The batched engine is ragged (pipeline.decoding.batched: linear layers over the rows' tokens, attention per row), so
+a step of ``rows`` rows whose blocks differ costs what ``rows`` rows at their MEAN block cost:
+``draft_c(mean drafted b) + verify_c(mean verified + 1)`` at c = rows, each fit interpolated linearly in c between
+the grid's points (:meth:`LoadCost.step_seconds`). How well that fits measured runs: evaluate's
+``load.cost_model`` (modelled / measured seconds per method and c).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from pipeline.policy.cost import FORMAT_DOC, CostProfile, _affine, fit_affine
+
+LOAD_DOC = """| `load_seconds` | version 3: seconds spent timing the load grid (part of `wall_seconds`) |
+| `concurrency` | version 3: the c grid, 1 first (`profile.concurrency`) |
+| `load` | version 3: `{c: {seconds, measured, fit, raw}}` for each c > 1, timed on the batched engine with c streams at one b (steady steps, the first of each stream left out): `seconds` `{b: seconds per batched step}` of the model (fit for b >= 2, measured at b = 1), `measured` `{b: {draft, verify, total}}` medians over rounds, mean over contexts, `fit` `{draft, verify: {intercept, slope}}` affine in the per-stream b, `raw` `{b, context, round, steps, draft_seconds, verify_seconds}` per timed run |
+"""
+
+# The whole format, both versions' keys (the label card and `blockpilot profile --help` print it).
+PROFILE_DOC = FORMAT_DOC.replace("{LOAD}", LOAD_DOC.rstrip("\n"))
+
+
+def fit_load(raw: List[Dict[str, Any]], block_sizes: Sequence[int], contexts: Sequence[int]) -> Dict[str, Any]:
+    """{seconds, measured, fit} of one c from its raw points: medians over rounds, mean over contexts, affine fits
+    in b over b >= 2 (b = 1 keeps its measured value)."""
+    measured = {}
+    for b in block_sizes:
+        per = [{k: float(np.median([p[f"{k}_seconds"] for p in raw if p["b"] == b and p["context"] == ctx]))
+                for k in ("draft", "verify")} for ctx in contexts if any(p["b"] == b and p["context"] == ctx
+                                                                          for p in raw)]
+        m = {k: float(np.mean([x[k] for x in per])) for k in ("draft", "verify")}
+        measured[int(b)] = {**m, "total": m["draft"] + m["verify"]}
+    multi = [b for b in measured if b >= 2]
+    fit = {k: fit_affine(multi, [measured[b][k] for b in multi]) for k in ("draft", "verify")} if multi else {}
+    seconds = {b: (_affine(fit["draft"], b) + _affine(fit["verify"], b)) if b >= 2 else measured[b]["total"]
+               for b in measured}
+    return {"seconds": seconds, "measured": measured, "fit": fit, "raw": raw}
+
+
+@dataclass
+class LoadCost:
+    """Per-c draft and verify fits (c = 1 from the profile's top level), interpolated linearly in c."""
+
+    profile: CostProfile
+    grid: Dict[int, Dict[str, Any]]  # c -> {"draft": {intercept, slope}, "verify": ..., "ar": seconds at b = 1}
+
+    @classmethod
+    def from_profile(cls, profile: CostProfile) -> "LoadCost":
+        f = profile.fit
+        grid = {1: {"draft": f["draft"], "verify": f["verify"], "ar": profile.cost(1)}}
+        for c, part in (profile.meta.get("load") or {}).items():
+            seconds = {int(b): float(s) for b, s in part["seconds"].items()}
+            grid[int(c)] = {"draft": part["fit"]["draft"], "verify": part["fit"]["verify"], "ar": seconds.get(1)}
+        return cls(profile, dict(sorted(grid.items())))
+
+    @property
+    def concurrency(self) -> List[int]:
+        return list(self.grid)
+
+    def _at(self, c: float, part: str) -> Dict[str, float]:
+        """A fit's {intercept, slope} at c rows: linear in c between grid points, extended from the last two."""
+        cs = self.concurrency
+        if len(cs) == 1 or c <= cs[0]:
+            return self.grid[cs[0]][part]
+        hi = next((i for i, x in enumerate(cs) if x >= c), len(cs) - 1)
+        lo = max(hi - 1, 0)
+        a, b = cs[lo], cs[hi]
+        w = (c - a) / (b - a)
+        pa, pb = self.grid[a][part], self.grid[b][part]
+        return {k: max(0.0, (1 - w) * pa[k] + w * pb[k]) if k == "slope" else (1 - w) * pa[k] + w * pb[k]
+                for k in ("intercept", "slope")}
+
+    def _ar(self, c: float) -> float:
+        pts = [(x, g["ar"]) for x, g in self.grid.items() if g.get("ar") is not None]
+        xs, ys = zip(*pts)
+        return float(np.interp(c, xs, ys)) if c <= xs[-1] or len(xs) == 1 else \
+            float(ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (c - xs[-1]))
+
+    def cost(self, b: int, c: int) -> float:
+        """Seconds of one batched step of c streams, each at block size b."""
+        if b < 2:
+            return self._ar(c)
+        return _affine(self._at(c, "draft"), b) + _affine(self._at(c, "verify"), b)
+
+    def at(self, c: int) -> CostProfile:
+        """The profile of one stream's step at load c, in the c = 1 format: what the speed targets, the train-chosen
+        b and every per-request comparison read. A stream's share of a batched step is cost(b, c) / c; the
+        comparisons between block sizes at one c need only the ratios, so the batched step's seconds stand in."""
+        if c == 1:
+            return self.profile
+        fit = {**self.profile.fit, "draft": self._at(c, "draft"), "verify": self._at(c, "verify")}
+        fit.pop("first_step", None)  # a batched step's first is no dearer per stream: its prefill is apart
+        if "rule" in fit:  # the batched engine runs a rule row by row: c rows' worth per step
+            fit["rule"] = {k: v * c for k, v in fit["rule"].items()}
+        seconds = {b: self.cost(b, c) for b in self.profile.seconds}
+        return CostProfile(seconds, fit=fit, meta={**self.profile.meta, "at_concurrency": int(c)},
+                           version=self.profile.version)
+
+    def step_seconds(self, rows: int, verify_tokens: int, drafting: int = 0, draft_tokens: int = 0) -> float:
+        """The ragged model of one batched step: ``rows`` rows verifying ``verify_tokens`` tokens in all, of which
+        ``drafting`` rows drafted ``draft_tokens`` block positions in all (a b = 1 row drafts nothing)."""
+        if rows < 1:
+            return 0.0
+        verify = _affine(self._at(rows, "verify"), verify_tokens / rows)
+        if drafting == 0:  # every row autoregressive: the measured b = 1 step
+            return self._ar(rows)
+        return verify + _affine(self._at(drafting, "draft"), draft_tokens / drafting)
+
+    def run_seconds(self, steps: Sequence[Any]) -> float:
+        """The model of a batched run's decode steps (pipeline.decoding.batched.BatchStep, kind "decode"; needs
+        ``drafting``)."""
+        return float(sum(self.step_seconds(s.rows, s.verify_tokens, s.drafting, s.draft_tokens)
+                         for s in steps if s.kind == "decode"))
+
+
+def schedule(tau_train: np.ndarray, candidates: Sequence[int], load: LoadCost,
+             concurrency: Sequence[int]) -> Dict[int, int]:
+    """b*(c): at each c the one fixed b with the least modelled time per token on the train rows (mean of cost(b, c)
+    / tau), as the train-chosen b is chosen at c = 1; ties to the smaller b."""
+    out = {}
+    for c in concurrency:
+        costs = np.array([load.cost(b, c) for b in candidates])
+        out[int(c)] = int(candidates[int(np.argmin((costs[None, :] / tau_train).mean(axis=0)))])
+    return out
+
+
+def vllm_ranges(sched: Dict[int, int], top: Optional[int] = None) -> Dict[str, int]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from b*(c): inclusive batch-size ranges to K = b - 1, each
+    grid point's b holding from it up to the next point - 1 (the last one open up to ``top``, default 4096);
+    neighbouring points with the same K merge."""
+    cs = sorted(sched)
+    top = top or 4096
+    out: Dict[str, int] = {}
+    lo = cs[0]
+    for i, c in enumerate(cs):
+        nxt = cs[i + 1] if i + 1 < len(cs) else None
+        if nxt is not None and sched[nxt] == sched[c]:
+            continue
+        hi = nxt - 1 if nxt is not None else top
+        out[f"{lo}-{hi}"] = int(sched[c]) - 1
+        lo = hi + 1
+    return out
+
+
+def pool_load(loads: Sequence[Dict[str, Any]], contexts: Sequence[int]) -> Dict[str, Any]:
+    """Several workers' ``load`` parts refitted together from their raw points (as the c = 1 points are pooled)."""
+    out = {}
+    for c in sorted({c for load in loads for c in load}, key=int):
+        raw = [p for load in loads for p in load.get(c, {}).get("raw", [])]
+        part = fit_load(raw, sorted({p["b"] for p in raw}), contexts)
+        out[c] = {"seconds": {str(b): v for b, v in part["seconds"].items()},
+                  "measured": {str(b): v for b, v in part["measured"].items()}, "fit": part["fit"], "raw": raw}
+    return out

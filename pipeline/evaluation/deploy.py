@@ -30,7 +30,9 @@ BUNDLED = "bundled:"
 #     through the online acceptance estimator, vllm PR #52228); older SpeculativeConfig docstrings say dspark-only,
 #     so it needs a vLLM that has #52228.
 #   num_speculative_tokens_per_batch_size: docs/features/speculative_decoding/dynamic_speculative_decoding.md
-#     ([start_bs, end_bs, K] by concurrency; "tested with ... DFlash").
+#     (a list of [start_bs, end_bs, optimal_K]: K draft tokens while the concurrency is in [start_bs, end_bs]; every
+#     K <= num_speculative_tokens, the maximum draft window; "Tested with Eagle, Eagle-3, and DFlash"); merged in
+#     vllm PR #32374 ("Dynamic Speculative Decoding").
 #   adaptive_verification_ema_alpha: UNCONFIRMED as a documented key (only in vllm PR #47808's description, DSpark,
 #     default 0.8, and vllm-ascend code); never emitted.
 VLLM_METHOD = "dflash"
@@ -41,6 +43,8 @@ VLLM_METHOD = "dflash"
 #     ("Use --speculative-num-draft-tokens to set the block size").
 #   --speculative-draft-model-revision: the same page, core parameters.
 #   --speculative-adaptive: docs/advanced_features/adaptive_speculative_decoding.md, EAGLE with topk 1 only.
+#   By concurrency: SGLang documents no per-batch-size schedule for DFlash (AutoSpec, PRs #17749 / #22246, picks
+#     EAGLE's step count by batch size at run time; --speculative-adaptive is EAGLE-only): deploy says so.
 #   DFLASH_CONFIDENCE: UNCONFIRMED (sgl-project/sglang PR #36136, open: confidence-ranked verify prefixes for
 #     DFlash2); not in the released docs, never emitted.
 SGLANG_ALGORITHM = "DFLASH"
@@ -63,6 +67,7 @@ class Deploy:
     rule_actions: List[str]  # the policy's per-request rule actions, "RULE@b_max" (train.rules)
     policy_answers_fallback_only: bool  # a speed policy without a calibrated margin
     step_rule: Optional[Dict[str, Any]]  # tune/step_rule.json, or None without a tune stage
+    schedule: Optional[Dict[int, int]] = None  # b*(c), the train-chosen b at each concurrency (policy.json)
 
     @property
     def rule(self) -> Optional[str]:
@@ -132,7 +137,8 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         candidates=[int(c) for c in info["candidates"]],
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
-        step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None)
+        step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
+        schedule={int(c): int(b) for c, b in info["schedule"].items()} if info.get("schedule") else None)
 
 
 # ---- the engines' settings ---------------------------------------------------------------------------------------
@@ -146,6 +152,35 @@ def vllm_speculative_config(d: Deploy, block_size: Optional[int] = None, adaptiv
     if adaptive:
         spec["enable_adaptive_verification"] = True
     return spec
+
+
+def vllm_schedule_config(d: Deploy) -> Optional[Dict[str, Any]]:
+    """vLLM's --speculative-config by concurrency: ``num_speculative_tokens_per_batch_size`` from the schedule b*(c)
+    (K = b - 1 per range), ``num_speculative_tokens`` its largest K; None without a schedule."""
+    if not d.schedule:
+        return None
+    from pipeline.policy.load_cost import vllm_ranges
+
+    ranges = vllm_ranges(d.schedule)
+    spec = vllm_speculative_config(d, max(d.schedule.values()))
+    spec["num_speculative_tokens_per_batch_size"] = ranges
+    return spec
+
+
+def load_lines(d: Deploy) -> List[str]:
+    """What deploy says about serving under load: the schedule, vLLM's setting and SGLang's lack of one."""
+    if not d.schedule:
+        return ["No schedule by concurrency: the cost profile has no load grid (profile.concurrency, cost profile "
+                "version 3)."]
+    spec = shlex.quote(json.dumps(vllm_schedule_config(d)))
+    table = ", ".join(f"c={c}: b={b}" for c, b in sorted(d.schedule.items()))
+    return [f"Train-chosen b by concurrency (modelled time per token on the label set's train split under the "
+            f"profile's batched seconds per step): {table}.",
+            f"vLLM: `{_shell(['vllm', 'serve', d.target])} --speculative-config {spec}`: K = b - 1 draft tokens "
+            "while the number of running requests is in [start_bs, end_bs] (a grid point's b holds up to the next "
+            "point; the last range ends at 1024, raise it to your --max-num-seqs).",
+            "SGLang: no per-batch-size setting is documented for DFlash (AutoSpec chooses EAGLE's step count by batch "
+            "size itself); deploy the b of your typical concurrency with `--speculative-num-draft-tokens`."]
 
 
 def sglang_args(d: Deploy, block_size: Optional[int] = None) -> List[str]:
@@ -234,9 +269,11 @@ def render(d: Deploy, short: bool = False) -> str:
     md += ["vLLM:", "", "```bash", vllm_command(d), "```", "", "SGLang:", "", "```bash", sglang_command(d), "```", ""]
     step, req = per_step_lines(d), per_request_lines(d)
     if short:
-        md += [f"Per-step rule: {step[0]} Per-request policy: no engine takes a block size per request yet "
+        under_load = f"Under load: {load_lines(d)[0]} " if d.schedule else ""
+        md += [f"{under_load}Per-step rule: {step[0]} Per-request policy: no engine takes a block size per request yet "
                f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
         return "\n".join(md)
+    md += ["Under load (by concurrency):", ""] + [f"- {x}" for x in load_lines(d)] + [""]
     md += ["Per-step verify rule:", ""] + [f"- {x}" for x in step] + [""]
     md += ["Per-request block size:", ""] + [f"- {x}" for x in req] + [""]
     md += ["Keys as each engine documents them (sources in pipeline/evaluation/deploy.py); "

@@ -58,7 +58,12 @@ class LoadCost:
     @classmethod
     def from_profile(cls, profile: CostProfile) -> "LoadCost":
         f = profile.fit
-        grid = {1: {"draft": f["draft"], "verify": f["verify"], "ar": profile.cost(1)}}
+        if "draft" not in f:  # a profile of seconds alone: the line through them, all of it the verify's
+            multi = sorted(b for b in profile.seconds if b >= 2)
+            f = {"draft": {"intercept": 0.0, "slope": 0.0},
+                 "verify": fit_affine(multi, [profile.seconds[b] for b in multi])}
+        ar = profile.seconds.get(1)
+        grid = {1: {"draft": f["draft"], "verify": f["verify"], "ar": ar}}
         for c, part in (profile.meta.get("load") or {}).items():
             seconds = {int(b): float(s) for b, s in part["seconds"].items()}
             grid[int(c)] = {"draft": part["fit"]["draft"], "verify": part["fit"]["verify"], "ar": seconds.get(1)}
@@ -83,12 +88,16 @@ class LoadCost:
 
     def _ar(self, c: float) -> float:
         pts = [(x, g["ar"]) for x, g in self.grid.items() if g.get("ar") is not None]
+        if not pts:
+            raise KeyError("the cost profile has no b = 1 (autoregressive) seconds")
         xs, ys = zip(*pts)
         return float(np.interp(c, xs, ys)) if c <= xs[-1] or len(xs) == 1 else \
             float(ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (c - xs[-1]))
 
     def cost(self, b: int, c: int) -> float:
-        """Seconds of one batched step of c streams, each at block size b."""
+        """Seconds of one batched step of c streams, each at block size b (c = 1: the profile's own cost(b))."""
+        if c == 1:
+            return self.profile.cost(b)
         if b < 2:
             return self._ar(c)
         return _affine(self._at(c, "draft"), b) + _affine(self._at(c, "verify"), b)
@@ -135,21 +144,20 @@ def schedule(tau_train: np.ndarray, candidates: Sequence[int], load: LoadCost,
     return out
 
 
-def vllm_ranges(sched: Dict[int, int], top: Optional[int] = None) -> Dict[str, int]:
-    """vLLM's ``num_speculative_tokens_per_batch_size`` from b*(c): inclusive batch-size ranges to K = b - 1, each
-    grid point's b holding from it up to the next point - 1 (the last one open up to ``top``, default 4096);
-    neighbouring points with the same K merge."""
-    cs = sorted(sched)
-    top = top or 4096
-    out: Dict[str, int] = {}
-    lo = cs[0]
+def vllm_ranges(sched: Dict[int, int], top: int = 1024) -> List[List[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from b*(c): ``[start_bs, end_bs, K]`` entries (inclusive
+    concurrency ranges; K = b - 1 draft tokens), each grid point's b holding from it up to the next point - 1 and
+    the last one up to ``top``; neighbouring points with the same K merge. The form of vLLM's
+    docs/features/speculative_decoding/dynamic_speculative_decoding.md."""
+    cs = sorted(int(c) for c in sched)
+    out: List[List[int]] = []
     for i, c in enumerate(cs):
-        nxt = cs[i + 1] if i + 1 < len(cs) else None
-        if nxt is not None and sched[nxt] == sched[c]:
-            continue
-        hi = nxt - 1 if nxt is not None else top
-        out[f"{lo}-{hi}"] = int(sched[c]) - 1
-        lo = hi + 1
+        hi = cs[i + 1] - 1 if i + 1 < len(cs) else max(top, c)
+        k = int(sched[c]) - 1
+        if out and out[-1][2] == k:
+            out[-1][1] = hi
+        else:
+            out.append([1 if i == 0 else c, hi, k])
     return out
 
 

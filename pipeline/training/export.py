@@ -60,12 +60,34 @@ def policy_metadata(inp: ExportInput, held: Dict[str, Any]) -> Dict[str, Any]:
         info["cost_profile"] = {"file": COST_PROFILE, "source": str(p.profile_path),
                                 "seconds": {str(c): p.profile.cost(c) for c in p.candidates},
                                 "device": p.profile.meta.get("device"), "hardware": p.profile.meta.get("hardware")}
+    if p.profile is not None and p.profile.meta.get("load"):
+        info.update(load_choices(p))
     if p.speed is not None:
         info.update(score=SPEED_SCORE, score_scale=p.speed["scale"], margin=held["calibration"]["margin"],
                     calibration=held["calibration"], model=t.model, rule_actions=p.rule_actions)
     else:
         info["score"] = "class_logits"
     return info
+
+
+def load_choices(p: Problem) -> Dict[str, Any]:
+    """policy.json's choices under load (a version-3 cost profile): ``schedule`` {c: b*(c)}, each c's train-chosen b
+    (pipeline.policy.load_cost.schedule, on the train rows), and ``load`` {c: {block_size, score_shift, seconds}}:
+    what :meth:`BlockSizePolicy.at_load` shifts each block-size action's score by at c, log(cost(b, 1) /
+    cost(b, c)) in score units (the speed targets are log tau - log cost, and at T = 0 tau does not depend on load),
+    and the modelled seconds per batched step at each candidate."""
+    from pipeline.policy.load_cost import LoadCost, schedule
+
+    load = LoadCost.from_profile(p.profile)
+    n_c = len(p.candidates)
+    sched = schedule(p.splits.tau[p.splits.train][:, :n_c], p.candidates, load, load.concurrency)
+    scale = float(p.speed["scale"]) if p.speed is not None else 1.0
+    out = {}
+    for c in load.concurrency:
+        shift = [float(np.log(load.cost(b, 1) / load.cost(b, c)) / scale) for b in p.candidates]
+        out[str(c)] = {"block_size": sched[c], "score_shift": shift + [None] * (len(p.action_names) - n_c),
+                       "seconds": {str(b): load.cost(b, c) for b in p.candidates}}
+    return {"schedule": {str(c): b for c, b in sched.items()}, "load": out}
 
 
 def export_policy(inp: ExportInput, policy_dir: Path) -> Dict[str, Any]:

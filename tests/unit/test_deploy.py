@@ -49,7 +49,7 @@ LABELLING = {6: 1.0, 8: 2.0, 10: 4.0}  # tau ~ (2, 3, 3.5): b=6 is fastest here
 SERVING = {6: 1.0, 8: 1.0, 10: 1.0}  # a machine where the wider verify is free: b=10 is
 
 
-def _run_folder(root, rule="threshold:0.05", objective="speed"):
+def _run_folder(root, rule="threshold:0.05", objective="speed", profile=None):
     """labels/ (two shards and the labelling profile), train/ (the exported policy and its resolved config) and
     tune/step_rule.json, as the stages write them."""
     rng = np.random.default_rng(0)
@@ -61,7 +61,7 @@ def _run_folder(root, rule="threshold:0.05", objective="speed"):
         table = pa.table({"prompt_id": [f"p{r}" for r in rows], "logits": rng.normal(0, 1, (len(rows), V)).tolist(),
                           "tau": tau.tolist(), LABEL_COLUMN: [CANDS[j] for j in tau.argmax(axis=1)]})
         write_parquet_atomic(table.replace_schema_metadata(meta), run.labels / shard_name(i))
-    CostProfile(dict(LABELLING)).save(run.labels / COST_PROFILE)
+    (profile or CostProfile(dict(LABELLING))).save(run.labels / COST_PROFILE)
     cfg = load_config([f"output_dir={root}", f"train.objective={objective}", "train.model=mlp",
                        "train.val_fraction=0.25", "train.calibration_fraction=0.2", "train.hidden=8", "train.n_layers=2",
                        "train.dropout=0.0"])
@@ -162,3 +162,49 @@ def test_the_cli_prints_it_and_the_report_has_a_short_form(run, capsys, tmp_path
     help_text = subprocess.run([sys.executable, "-m", "stages.cli", "deploy", "--help"], capture_output=True,
                                text=True, check=True).stdout
     assert "--cost-profile" in help_text and "vLLM" in help_text and "SGLang" in help_text
+
+
+# A version-3 profile: the labelling machine's c = 1 seconds, and two loads where the verify's cost per token
+# changes the fastest b: at c = 4 b=8 (cost 4, 5, 6: time per token 2, 1.67, 1.71), at c = 16 every b costs the same
+# step, so the longest block (tau 3.5) wins.
+LOAD = {"4": {"fit": {"draft": {"intercept": 0.0, "slope": 0.0}, "verify": {"intercept": 1.0, "slope": 0.5}},
+              "seconds": {"1": 0.5, "6": 4.0, "8": 5.0, "10": 6.0}},
+        "16": {"fit": {"draft": {"intercept": 0.0, "slope": 0.0}, "verify": {"intercept": 10.0, "slope": 0.0}},
+               "seconds": {"1": 2.0, "6": 10.0, "8": 10.0, "10": 10.0}}}
+
+
+def test_deploy_prints_vllms_batch_size_schedule_in_its_documented_form(tmp_path):
+    """vLLM's dynamic_speculative_decoding.md: `num_speculative_tokens_per_batch_size` is a list of [start_bs,
+    end_bs, optimal_K], every K <= num_speculative_tokens (the maximum window). The schedule's b at each grid c is
+    the train split's fastest b under that c's seconds, computed here from the shards."""
+    torch.manual_seed(0)
+    root = tmp_path / "run"
+    run = _run_folder(root)
+    profile = CostProfile.load(run.labels / COST_PROFILE)
+    profile.meta.update(concurrency=[1, 4, 16], load=LOAD)
+    profile.version = 3
+    profile.save(run.labels / COST_PROFILE)
+    run = _run_folder(tmp_path / "again", profile=profile)
+    d = deploy.load_deploy(run.root)
+    loads = {4: {6: 4.0, 8: 5.0, 10: 6.0}, 16: {6: 10.0, 8: 10.0, 10: 10.0}}
+    expected = {1: _fastest_on_train(run, LABELLING), **{c: _fastest_on_train(run, s) for c, s in loads.items()}}
+    assert expected == {1: 6, 4: 8, 16: 10} and d.schedule == expected
+    spec = deploy.vllm_schedule_config(d)
+    assert set(spec) <= VLLM_KEYS and spec["method"] == VLLM_DFLASH_METHOD
+    table = spec["num_speculative_tokens_per_batch_size"]
+    assert table == [[1, 3, 5], [4, 15, 7], [16, 1024, 9]]
+    assert all(len(e) == 3 and e[0] <= e[1] and 0 <= e[2] <= spec["num_speculative_tokens"] for e in table)
+    assert all(a[1] + 1 == b[0] for a, b in zip(table, table[1:])) and table[0][0] == 1
+    assert spec["num_speculative_tokens"] == 9
+    text = deploy.render(d)
+    line = next(x for x in text.splitlines() if "num_speculative_tokens_per_batch_size" in x)
+    printed = line.split("--speculative-config ", 1)[1].split("`", 1)[0]
+    assert json.loads(shlex.split(printed)[0]) == spec
+    assert "SGLang: no per-batch-size setting" in text
+
+
+def test_a_schedule_that_keeps_one_b_merges_its_ranges():
+    from pipeline.policy.load_cost import vllm_ranges
+
+    assert vllm_ranges({1: 8, 4: 8, 16: 6, 64: 6}) == [[1, 15, 7], [16, 1024, 5]]
+    assert vllm_ranges({1: 5}, top=256) == [[1, 256, 4]]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.runtime.config import RayConfig
@@ -130,6 +132,39 @@ def bound_actor_class(stage: ShardStage) -> type:
     return BoundStageActor
 
 
+class ActorState(Enum):
+    """Where one pool actor is; each event the pool sees (a result, an error, a loss, a ping's answer, a wait run
+    out) moves one actor from one to another."""
+
+    IDLE = "idle"  # alive, waiting for a shard
+    BUSY = "busy"  # a shard in flight on it
+    LOST = "lost"  # died or unreachable, Ray restarting it: pinged at ``next_ping``
+    PINGED = "pinged"  # lost, its ping in flight: it is back once the ping answers
+    GONE = "gone"  # no restart left, or its restart failed: dropped for good
+
+
+@dataclass
+class PoolActor:
+    """The pool's record of one actor. ``shard`` is the shard in flight on it (BUSY) or, once it is lost, the shard
+    kept for it until it is back (LOST, PINGED; None once handed to another actor or failed)."""
+
+    handle: Any
+    identity: str
+    node: Optional[str]
+    pid: Optional[int]
+    state: ActorState = ActorState.IDLE
+    shard: Optional[ShardTask] = None
+    lost_on: Optional[ShardTask] = None  # the shard it was last lost with, and whether that shard failed then
+    lost_failed: bool = False
+    lost_at: float = 0.0  # time.monotonic() of its last loss: rejoin_wait_s counts from it
+    next_ping: float = 0.0
+    deaths: int = 0  # losses seen: Ray restarts an actor max_restarts times, no more
+
+    @property
+    def down(self) -> bool:
+        return self.state in (ActorState.LOST, ActorState.PINGED)
+
+
 class RayActorPool:
     """The driver's executor for stages that declare actors: one actor per GPU (or CPU actors), each loading its
     models once. It fails as :class:`pipeline.executor.local.LocalExecutor` does: a shard whose ``process_shard``
@@ -145,7 +180,9 @@ class RayActorPool:
     for good is dropped with a line and the others carry on. The pool ends when every shard is done or failed and
     nothing is in flight, never waiting on a restart still pending (a lost node's actor waits for a GPU that the
     survivors hold until the pool ends). With no live actor left and only restarts pending, it waits
-    :attr:`rejoin_wait_s` for one, then fails the shards not done with "no worker left"."""
+    :attr:`rejoin_wait_s` for one, then fails the shards not done with "no worker left".
+
+    One run's state is :class:`PoolRun`: a :class:`PoolActor` record per actor and a handler per event."""
 
     rejoin_wait_s = 60.0  # how long a restarting actor keeps its lost shard, or is waited for when no other is left
     poll_s = 1.0  # how often pings of lost actors and their nodes' liveness are looked at
@@ -158,7 +195,7 @@ class RayActorPool:
 
         res = stage.resources()
         place = plan_workers(res.num_workers, res.cpus_per_worker)
-        # Ray restarts a dead actor (max_restarts) but never reruns its task (max_task_retries=0): _drive does,
+        # Ray restarts a dead actor (max_restarts) but never reruns its task (max_task_retries=0): PoolRun does,
         # counting that attempt as it counts a raising shard's, so that a lost node's shard moves to a live actor
         # instead of waiting on a restart that may never be placed.
         actor_cls = ray.remote(bound_actor_class(stage)).options(
@@ -169,155 +206,198 @@ class RayActorPool:
             infos = ray.get([a.info.remote() for a in actors])
             for info in infos:
                 log(stage.name).info(worker_line(info))
-            failures = self._drive(ray, stage, tasks, done, actors, infos)
+            failures = PoolRun(self, ray, stage, tasks, done, actors, infos).drive()
         finally:  # also on an error or an interrupt: a job on a long-lived cluster must not leave actors behind
             for a in actors:
                 ray.kill(a)
         return Execution(infos, failures)
 
-    def _drive(self, ray, stage: ShardStage, tasks: List[ShardTask], done: Done, actors: list,
-               infos: List[Dict[str, Any]]) -> List[str]:
-        """Keep every live actor busy with one shard until the queue is empty; returns the failures. ``infos``
-        (one per actor) gets the info of every restarted actor that comes back appended."""
-        import time
 
-        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+class PoolRun:
+    """One run of :class:`RayActorPool`: keeps every live actor busy with one shard until the queue is empty.
+    ``infos`` (one per actor) gets the info of every restarted actor that comes back appended."""
 
-        say = log(stage.name)
-        max_restarts = stage.resources().max_retries
-        tries = max_restarts + 1
-        queue = list(tasks)
-        attempts = {t.name: 0 for t in tasks}
-        failures: List[str] = []
-        identity = [info["identity"] for info in infos]
-        node = [info.get("node_id") for info in infos]
-        pid = [info.get("pid") for info in infos]
-        inflight: Dict[Any, Tuple[int, ShardTask]] = {}
-        idle: List[int] = list(range(len(actors)))
-        # actor -> what is known of it since it was lost: when, its last shard and whether that one failed, the
-        # ping in flight (or when to send the next), the shard kept for it (held)
-        down: Dict[int, Dict[str, Any]] = {}
-        pings: Dict[Any, int] = {}
-        gone: List[int] = []
-        deaths = [0] * len(actors)  # losses seen per actor
-        dead_nodes: set = set()
-        nodes_seen = 0.0
+    def __init__(self, pool: RayActorPool, ray, stage: ShardStage, tasks: List[ShardTask], done: Done,
+                 handles: list, infos: List[Dict[str, Any]]):
+        self.pool, self.ray, self.done, self.infos = pool, ray, done, infos
+        self.say = log(stage.name)
+        self.max_restarts = stage.resources().max_retries
+        self.tries = self.max_restarts + 1
+        self.queue = list(tasks)
+        self.attempts = {t.name: 0 for t in tasks}
+        self.failures: List[str] = []
+        self.actors = [PoolActor(h, info["identity"], info.get("node_id"), info.get("pid"))
+                       for h, info in zip(handles, infos)]
+        self.idle = list(self.actors)  # the IDLE actors, the one given the next shard first
+        self.waiting: Dict[Any, PoolActor] = {}  # ref -> its actor: a shard (BUSY) or a ping (PINGED) in flight
+        self.dead_nodes: set = set()
+        self.nodes_seen = 0.0
 
-        def fail(task: ShardTask, error: str) -> None:
-            failures.append(f"{task.name}: {error}")
-            done(task, None, error)
-
-        def left() -> int:
-            return len(actors) - len(gone)
-
-        def lost(i: int, task: ShardTask, err: Exception) -> None:
-            attempts[task.name] += 1
-            error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
-            again = attempts[task.name] < tries
-            say.warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: worker {identity[i]} lost "
-                        f"({error}); " + ("it is retried on that worker once restarted, else on another" if again
-                                          else "no attempt left"))
-            if not again:
-                fail(task, error)
-            deaths[i] += 1
-            d = {"since": time.monotonic(), "task": task, "failed": not again, "held": task if again else None,
-                 "next_ping": 0.0}
-            if deaths[i] > max_restarts:  # Ray restarts an actor max_restarts times, no more: gone for good
-                drop(i, d)
-            else:
-                down[i] = d
-
-        def drop(i: int, d: Dict[str, Any]) -> None:
-            gone.append(i)
-            say.warning(f"{d['task'].name} {'failed' if d['failed'] else 'lost'}: worker {identity[i]} died and has "
-                        f"no restart left (max_restarts={max_restarts}); dropped, {left()} worker(s) left")
-            release(i, d, "is gone for good")
-
-        def release(i: int, d: Dict[str, Any], why: str) -> None:
-            """The shard kept for lost actor ``i`` goes to the next live actor."""
-            task, d["held"] = d["held"], None
-            if task is not None:
-                queue.insert(0, task)
-                say.warning(f"{task.name} goes to another worker: worker {identity[i]} {why}")
-
+    def drive(self) -> List[str]:
+        """The event loop; returns the failures."""
         while True:
             now = time.monotonic()
-            for i, d in down.items():  # ping every lost actor that is not being pinged
-                if d["next_ping"] is not None and now >= d["next_ping"]:
-                    d["next_ping"] = None
-                    pings[actors[i].info.remote()] = i
-            held = [i for i, d in down.items() if d["held"] is not None]
-            if held and idle:  # a live actor waits: does a held shard have to wait for its own actor still?
-                if now - nodes_seen >= self.poll_s:
-                    nodes_seen = now
-                    try:
-                        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
-                    except Exception as err:  # noqa: BLE001 - the control store busy: ask again next time
-                        say.debug(f"node table not read: {type(err).__name__}: {err}")
-                for i in held:
-                    if node[i] in dead_nodes:
-                        release(i, down[i], "was on a node that died")
-                    elif now - down[i]["since"] >= self.rejoin_wait_s:
-                        release(i, down[i], f"is not back {self.rejoin_wait_s:g} s after it was lost")
-            while idle and queue:
-                i, task = idle.pop(0), queue.pop(0)
-                inflight[actors[i].process.remote(task)] = (i, task)
-            held = [i for i, d in down.items() if d["held"] is not None]
-            if not inflight and not queue and not held:
-                break  # all done or failed: a restart still pending is not waited for
-            if not inflight and not idle and (
-                    not down or all(now - d["since"] >= self.rejoin_wait_s for d in down.values())):
-                break  # no live actor, and none coming back
-            refs = list(inflight) + list(pings)
+            for a in self.down():  # ping every lost actor that is not being pinged
+                if a.state is ActorState.LOST and now >= a.next_ping:
+                    a.state = ActorState.PINGED
+                    self.waiting[a.handle.info.remote()] = a
+            if self.idle:
+                self.on_timeout(now)
+            while self.idle and self.queue:
+                self.send(self.idle.pop(0), self.queue.pop(0))
+            if self.finished(now):
+                break
+            busy = [r for r, a in self.waiting.items() if a.state is ActorState.BUSY]
+            refs = busy + [r for r, a in self.waiting.items() if a.state is ActorState.PINGED]
             if not refs:  # only lost actors, none pinged right now: look again in a moment
-                time.sleep(self.poll_s)
+                time.sleep(self.pool.poll_s)
                 continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s if down else None)
+            ready, _ = self.ray.wait(refs, num_returns=1, timeout=self.pool.poll_s if self.down() else None)
             if not ready:
                 continue
-            ref = ready[0]
-            if ref in pings:
-                i = pings.pop(ref)
-                try:
-                    info = ray.get(ref)
-                except ActorDiedError:  # Ray will not restart it (its restart failed): gone for good
-                    drop(i, down.pop(i))
-                except RayActorError:  # unreachable, not yet known dead or restarting: ask again in a moment
-                    down[i]["next_ping"] = time.monotonic() + self.poll_s
-                else:  # restarted and set up again: back in the pool, with its lost shard if it was kept for it
-                    d = down.pop(i)
-                    if info.get("pid") != pid[i] or info["identity"] != identity[i]:  # a new process
-                        infos.append(info)
-                        say.info(f"{worker_line(info)} (restarted worker {identity[i]})")
-                    identity[i], node[i], pid[i] = info["identity"], info.get("node_id"), info.get("pid")
-                    if d["held"] is not None:
-                        inflight[actors[i].process.remote(d["held"])] = (i, d["held"])
-                    else:
-                        idle.append(i)
-                continue
-            i, task = inflight.pop(ref)
-            try:
-                done(task, ray.get(ref), None)
-            except RayTaskError as err:  # process_shard raised: the actor is fine, the shard may be retried
-                cause = err.cause  # the shard's own exception, worded as LocalExecutor words it
-                error = f"{type(cause).__name__}: {cause}"
-                attempts[task.name] += 1
-                say.warning(f"{task.name} attempt {attempts[task.name]}/{tries} failed: {error}")
-                if attempts[task.name] < tries:  # next, on the same actor: LocalExecutor retries a shard at once
-                    inflight[actors[i].process.remote(task)] = (i, task)
-                else:
-                    fail(task, error)
-                    idle.insert(0, i)
-            except RayActorError as err:  # the actor died or cannot be reached: its shard was lost with it
-                lost(i, task, err)
+            a = self.waiting.pop(ready[0])
+            if a.state is ActorState.PINGED:
+                self.on_ping(a, ready[0])
             else:
-                idle.insert(0, i)
-        pending = list(down.values())
-        rest = queue + [d["held"] for d in pending if d["held"] is not None]
-        restarting = f", {len(pending)} not back within {self.rejoin_wait_s:g} s of a restart" if pending else ""
-        for task in rest:  # no worker is left: what is not done fails now, and a rerun picks it up
-            fail(task, f"not run: no worker left ({len(gone)} dropped, their restarts used up{restarting})")
-        return failures
+                self.on_shard(a, ready[0])
+        self.fail_the_rest()
+        return self.failures
+
+    def down(self) -> List[PoolActor]:
+        """The lost actors (LOST, PINGED), in the order they were lost."""
+        return sorted((a for a in self.actors if a.down), key=lambda a: a.lost_at)
+
+    def finished(self, now: float) -> bool:
+        busy = any(a.state is ActorState.BUSY for a in self.actors)
+        down = self.down()
+        if not busy and not self.queue and all(a.shard is None for a in down):
+            return True  # all done or failed: a restart still pending is not waited for
+        # no live actor, and none coming back
+        return not busy and not self.idle and all(now - a.lost_at >= self.pool.rejoin_wait_s for a in down)
+
+    def send(self, a: PoolActor, task: ShardTask) -> None:
+        a.state, a.shard = ActorState.BUSY, task
+        self.waiting[a.handle.process.remote(task)] = a
+
+    def make_idle(self, a: PoolActor, first: bool) -> None:
+        a.state, a.shard = ActorState.IDLE, None
+        if first:  # one that just finished a shard is given the next one first, one back from a restart last
+            self.idle.insert(0, a)
+        else:
+            self.idle.append(a)
+
+    def fail(self, task: ShardTask, error: str) -> None:
+        self.failures.append(f"{task.name}: {error}")
+        self.done(task, None, error)
+
+    def on_shard(self, a: PoolActor, ref) -> None:
+        """A shard's answer: its result, its own error (the actor is fine), or its actor lost."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            result = self.ray.get(ref)
+        except RayTaskError as err:
+            self.on_error(a, err)
+        except RayActorError as err:  # the actor died or cannot be reached: its shard was lost with it
+            self.on_lost(a, err)
+        else:
+            self.on_result(a, result)
+
+    def on_result(self, a: PoolActor, result) -> None:
+        self.done(a.shard, result, None)
+        self.make_idle(a, first=True)
+
+    def on_error(self, a: PoolActor, err) -> None:
+        """process_shard raised: the shard may be retried, next, on the same actor (as LocalExecutor retries a
+        shard at once)."""
+        task, cause = a.shard, err.cause  # the shard's own exception, worded as LocalExecutor words it
+        error = f"{type(cause).__name__}: {cause}"
+        self.attempts[task.name] += 1
+        self.say.warning(f"{task.name} attempt {self.attempts[task.name]}/{self.tries} failed: {error}")
+        if self.attempts[task.name] < self.tries:
+            self.send(a, task)
+        else:
+            self.fail(task, error)
+            self.make_idle(a, first=True)
+
+    def on_lost(self, a: PoolActor, err: Exception) -> None:
+        """``a`` was lost with its shard: one attempt spent; the shard is kept for it while Ray restarts it."""
+        task = a.shard
+        self.attempts[task.name] += 1
+        error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        again = self.attempts[task.name] < self.tries
+        self.say.warning(f"{task.name} attempt {self.attempts[task.name]}/{self.tries} failed: worker {a.identity} "
+                         f"lost ({error}); " + ("it is retried on that worker once restarted, else on another"
+                                                if again else "no attempt left"))
+        if not again:
+            self.fail(task, error)
+        a.deaths += 1
+        a.state, a.lost_at, a.next_ping = ActorState.LOST, time.monotonic(), 0.0
+        a.shard, a.lost_on, a.lost_failed = task if again else None, task, not again
+        if a.deaths > self.max_restarts:  # Ray restarts an actor max_restarts times, no more: gone for good
+            self.drop(a)
+
+    def on_ping(self, a: PoolActor, ref) -> None:
+        """A lost actor's ping answered: it is back (with its kept shard, if any), gone, or not reachable yet."""
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        try:
+            info = self.ray.get(ref)
+        except ActorDiedError:  # Ray will not restart it (its restart failed): gone for good
+            self.drop(a)
+        except RayActorError:  # unreachable, not yet known dead or restarting: ask again in a moment
+            a.state, a.next_ping = ActorState.LOST, time.monotonic() + self.pool.poll_s
+        else:  # restarted and set up again
+            if info.get("pid") != a.pid or info["identity"] != a.identity:  # a new process
+                self.infos.append(info)
+                self.say.info(f"{worker_line(info)} (restarted worker {a.identity})")
+            a.identity, a.node, a.pid = info["identity"], info.get("node_id"), info.get("pid")
+            if a.shard is not None:
+                self.send(a, a.shard)
+            else:
+                self.make_idle(a, first=False)
+
+    def on_timeout(self, now: float) -> None:
+        """A live actor is idle: does a kept shard have to wait for its own actor still? Not once that actor is
+        not back within rejoin_wait_s, or its node is dead (looked up every poll_s)."""
+        held = [a for a in self.down() if a.shard is not None]
+        if not held:
+            return
+        if now - self.nodes_seen >= self.pool.poll_s:
+            self.nodes_seen = now
+            try:
+                self.dead_nodes = {n["NodeID"] for n in self.ray.nodes() if not n.get("Alive")}
+            except Exception as err:  # noqa: BLE001 - the control store busy: ask again next time
+                self.say.debug(f"node table not read: {type(err).__name__}: {err}")
+        for a in held:
+            if a.node in self.dead_nodes:
+                self.release(a, "was on a node that died")
+            elif now - a.lost_at >= self.pool.rejoin_wait_s:
+                self.release(a, f"is not back {self.pool.rejoin_wait_s:g} s after it was lost")
+
+    def drop(self, a: PoolActor) -> None:
+        a.state = ActorState.GONE
+        left = sum(b.state is not ActorState.GONE for b in self.actors)
+        self.say.warning(f"{a.lost_on.name} {'failed' if a.lost_failed else 'lost'}: worker {a.identity} died and "
+                         f"has no restart left (max_restarts={self.max_restarts}); dropped, {left} worker(s) left")
+        self.release(a, "is gone for good")
+
+    def release(self, a: PoolActor, why: str) -> None:
+        """The shard kept for lost actor ``a`` goes to the next live actor."""
+        task, a.shard = a.shard, None
+        if task is not None:
+            self.queue.insert(0, task)
+            self.say.warning(f"{task.name} goes to another worker: worker {a.identity} {why}")
+
+    def fail_the_rest(self) -> None:
+        """No worker is left: what is not done fails now, and a rerun picks it up."""
+        pending = self.down()
+        rest = self.queue + [a.shard for a in pending if a.shard is not None]
+        gone = sum(a.state is ActorState.GONE for a in self.actors)
+        restarting = (f", {len(pending)} not back within {self.pool.rejoin_wait_s:g} s of a restart" if pending
+                      else "")
+        for task in rest:
+            self.fail(task, f"not run: no worker left ({gone} dropped, their restarts used up{restarting})")
 
 
 def worker_line(info: Dict[str, Any]) -> str:

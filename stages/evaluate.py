@@ -272,4 +272,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     stage = EvaluateStage(cfg)
     require_complete([(stage.train_dir, "blockpilot train")])  # before building prompt sets for nothing
     execute(prompt_sets(cfg))
-    return execute(stage)
+    summary = execute(stage)
+    from .evaluate_load import run_load  # c > 1 of evaluate.concurrency: every prompt served c at a time
+
+    loads = run_load(cfg, stage)
+    return {**summary, "load": loads} if loads else summary

@@ -44,11 +44,12 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     log("profile").info(f"draft {f['draft']['intercept'] * 1e3:.3f} + {f['draft']['slope'] * 1e3:.4f} b ms, "
                         f"verify {f['verify']['intercept'] * 1e3:.3f} + {f['verify']['slope'] * 1e3:.4f} b ms "
                         f"(stable={profile.meta['stable']})")
-    for c, part in (profile.meta.get("load") or {}).items():
-        f_c = part["fit"]
-        log("profile").info(f"c={c}: draft {f_c['draft']['intercept'] * 1e3:.3f} + {f_c['draft']['slope'] * 1e3:.4f} b "
-                            f"ms, verify {f_c['verify']['intercept'] * 1e3:.3f} + "
-                            f"{f_c['verify']['slope'] * 1e3:.4f} b ms per batched step")
+    loads = profile.meta.get("load") or {}
+    if loads:  # one line for the whole grid: the batched step's seconds at the smallest and largest b, per c
+        parts = [f"c={c} " + " ".join(f"b={b}:{float(s) * 1e3:.1f}" for b, s in sorted(part["seconds"].items(),
+                                                                                      key=lambda x: int(x[0]))
+                                      if int(b) in (1, 2, 8, 16)) for c, part in loads.items()]
+        log("profile").info(f"ms per batched step: {'; '.join(parts)}")
     return {"stage": "profile", "status": "done", "output": str(out),
             "seconds_ms": {b: round(s * 1e3, 3) for b, s in sorted(profile.seconds.items())},
             "spread": {b: round(s, 3) for b, s in sorted(profile.spread.items())}, "fit": f,

@@ -38,6 +38,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
           flush=True)
     if rows:
         print(format_rows(rows), flush=True)
+    from pipeline.evaluation.load import render_load
+
+    for load in (summaries["evaluate"].get("load") or {}).values():  # one short table per concurrency
+        print("\n".join(render_load(load)), flush=True)
     print(f"report: {report['report']}", flush=True)
     return {"stage": "run", "report": report["report"], "headline": rows, "wall_seconds": wall,
             "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},

@@ -243,6 +243,11 @@ class EvaluateConfig:
     # Use tune's per-step rule: adaptive runs it where the policy answers its fallback b (if tune measured it
     # faster), and evaluate also runs `policy` and `per-step` apart. false: adaptive is the policy alone; no tune.
     per_step: bool = True
+    # Concurrencies to evaluate at, each in profile.concurrency: 1 is the per-prompt pass above; each c > 1 serves
+    # every evaluation prompt c at a time on the batched engine (stages/evaluate_load.py), in wall clock.
+    concurrency: List[int] = field(default_factory=lambda: [1, 16])
+    # Timed repeats at c > 1 of adaptive and its two baselines (b*(c), b*(1)), interleaved; other methods run once.
+    load_repeats: int = 5
 
 
 @dataclass
@@ -354,6 +359,10 @@ def _validate(cfg: PipelineConfig) -> None:
     _check(bool(pr.concurrency) and pr.concurrency[0] == 1 and sorted(set(pr.concurrency)) == list(pr.concurrency),
            "profile.concurrency", "must be ascending distinct concurrencies starting at 1, e.g. [1, 4, 16]")
     _check(pr.load_rounds >= 1, "profile.load_rounds", "must be >= 1")
+    ev = cfg.evaluate
+    _check(bool(ev.concurrency) and set(ev.concurrency) <= set(pr.concurrency), "evaluate.concurrency",
+           f"every c must be in profile.concurrency {list(pr.concurrency)} (its cost model is measured there)")
+    _check(ev.load_repeats >= 1, "evaluate.load_repeats", "must be >= 1")
     _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
     _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")

@@ -1,0 +1,175 @@
+"""Evaluate at load: the evaluation prompts served c at a time by the batched engine (continuous batching), each method
+timed in wall clock, interleaved and repeated, beside the cost model's seconds for the same steps.
+
+Per c of ``evaluate.concurrency`` (c > 1; c = 1 is evaluate's per-prompt pass), the methods are ``AR``, every
+candidate ``b=N``, and ``adaptive``: the policy at c (pipeline.policy.blocksize.BlockSizePolicy.at_load: its fallback
+the train-chosen b at c, the schedule b*(c)). The baselines of the headline are two fixed-b methods: ``b*(c)`` (the
+train-chosen b at that c) and ``b*(1)`` (the c = 1 choice, what a user deploys today at every load). A method whose
+choice for every request equals another's is the same computation: it is not decoded again, its rows name the
+method it shares (``same_as``), and its gain over it is exactly 0.
+
+Wall clock: every repeat decodes each distinct decode once, in a shuffled order (so that drift on a shared machine hits
+all alike); the baselines and adaptive run ``repeats`` times, the other fixed b once. The measured gain is the ratio of
+mean throughputs; its interval is a t interval over the repeats' paired log ratios. Modelled: the ragged step model
+(pipeline.policy.load_cost.LoadCost.step_seconds) over each run's own steps, plus its measured prefill seconds.
+Ray-free.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+ADAPTIVE = "adaptive"
+
+
+# Student's t 0.975 quantiles by degrees of freedom (standard tables; scipy is not in the stack): a paired interval
+# over a handful of repeats.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t95(df: int) -> float:
+    return T975.get(df) or T975[max(k for k in T975 if k <= df)] if df < 30 else 1.96 + 2.4 / df
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Dict[str, Any]:
+    """mean(a) / mean(b) - 1 with a 95 % t interval over the paired log ratios log(a_i / b_i) (repeats interleaved,
+    so a pair shares the machine's state); exactly 0 with [0, 0] for identical lists."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    gain = float(a.mean() / b.mean() - 1)
+    if np.array_equal(a, b):
+        return {"gain": 0.0, "ci95": [0.0, 0.0], "repeats": int(len(a)), "identical": True}
+    d = np.log(a / b)
+    if len(d) < 2:
+        return {"gain": gain, "ci95": None, "repeats": int(len(d))}
+    half = _t95(len(d) - 1) * float(d.std(ddof=1)) / math.sqrt(len(d))
+    return {"gain": gain, "ci95": [math.expm1(d.mean() - half), math.expm1(d.mean() + half)],
+            "repeats": int(len(d))}
+
+
+def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[str] = None) -> Dict[str, Any]:
+    """One timed batched run as a row: measured and modelled seconds, throughput, per-request latency."""
+    decode = [s for s in run.steps if s.kind == "decode"]
+    prefill = sum(s.verify_seconds for s in run.steps if s.kind == "prefill")
+    measured_steps = sum(s.draft_seconds + s.verify_seconds for s in decode)
+    modelled_steps = load_cost.run_seconds(run.steps) if load_cost is not None else None
+    lat = np.array([r.latency for r in run.requests])
+    sizes = sorted({int(r.choice[0]) for r in run.requests})
+    return {"concurrency": int(c), "method": method, "repeat": int(repeat), "same_as": same_as,
+            "requests": len(run.requests), "new_tokens": int(run.new_tokens), "steps": len(decode),
+            "block_sizes": sizes, "wall_seconds": float(run.wall_seconds), "prefill_seconds": float(prefill),
+            "decode_seconds": float(measured_steps),
+            "modelled_decode_seconds": None if modelled_steps is None else float(modelled_steps),
+            "throughput": run.new_tokens / run.wall_seconds,
+            "modelled_throughput": None if modelled_steps is None else run.new_tokens / (modelled_steps + prefill),
+            "latency_mean": float(lat.mean()), "latency_p50": float(np.percentile(lat, 50)),
+            "latency_p95": float(np.percentile(lat, 95))}
+
+
+def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[str, Callable], baselines: Sequence[str],
+                     repeats: int, max_new_tokens: int, load_cost=None, seed: int = 0,
+                     log: Callable[[str], None] = lambda s: None) -> List[Dict[str, Any]]:
+    """Rows for every method of ``choosers`` ({method: choose(i, logits, hidden)}) at concurrency c. Methods whose
+    choices coincide for every request share one decode (the first named); ``baselines`` and ``adaptive`` are
+    timed ``repeats`` times, the rest once."""
+    choices = _choices(batched, prompts, choosers)
+    distinct: Dict[str, str] = {}  # method -> the method whose decode it is
+    for m in choosers:
+        distinct[m] = next((o for o in distinct if distinct[o] == o and choices[o] == choices[m]), m)
+    timed = [m for m in choosers if distinct[m] == m]
+    repeated = {distinct[m] for m in [*baselines, ADAPTIVE] if m in distinct}
+    rng = np.random.default_rng(seed)
+    rows: List[Dict[str, Any]] = []
+    for rep in range(repeats):
+        order = [m for m in timed if rep == 0 or m in repeated]
+        for i in rng.permutation(len(order)):
+            m = order[i]
+            fixed_choices = choices[m]
+            t0 = time.perf_counter()
+            run = batched.run(prompts, slots=c, max_new_tokens=max_new_tokens,
+                              choose=lambda j, lg, h, fc=fixed_choices: fc[j])
+            rows.append(run_row(c, m, rep, run, load_cost))
+            log(f"c={c} {m} repeat {rep + 1}/{repeats if m in repeated else 1}: {rows[-1]['throughput']:.1f} tok/s "
+                f"({time.perf_counter() - t0:.1f} s)")
+    for m, o in distinct.items():  # the methods that share a decode: its rows under their name
+        if o != m:
+            rows += [{**r, "method": m, "same_as": o} for r in rows if r["method"] == o and r["same_as"] is None]
+    return rows
+
+
+def _choices(batched, prompts, choosers) -> Dict[str, List]:
+    """Each method's (block size, rule) per request, from the prompt's prefill (one packed prefill pass for all, the
+    same logits every method reads)."""
+    seen: Dict[int, tuple] = {}
+
+    def record(i, logits, hidden):
+        seen[i] = (logits, hidden)
+        return (1, None)
+
+    batched.run(prompts, slots=max(1, min(len(prompts), 16)), max_new_tokens=1, choose=record)
+    return {m: [tuple(ch(i, *seen[i])) for i in range(len(prompts))] for m, ch in choosers.items()}
+
+
+def load_summary(rows: List[Dict[str, Any]], c: int, baselines: Dict[str, str]) -> Dict[str, Any]:
+    """The table and the headline at c: per method mean measured and modelled throughput and latency; adaptive
+    against each baseline ({name: method}), measured (paired over repeats) and modelled; the cost model's mean
+    |speedup error| (modelled / measured speedup over AR, per method)."""
+    at = [r for r in rows if r["concurrency"] == c]
+    def order(m):  # AR, the fixed b ascending, the rest by name, adaptive last
+        return (0, 0, "") if m == "AR" else (1, int(m[2:]), "") if m.startswith("b=") else (2, m == ADAPTIVE, m)
+
+    methods = sorted(dict.fromkeys(r["method"] for r in at), key=order)
+    table = {}
+    for m in methods:
+        rs = [r for r in at if r["method"] == m]
+        table[m] = {k: float(np.mean([r[k] for r in rs])) for k in ("throughput", "latency_mean", "latency_p95",
+                                                                  "wall_seconds")}
+        mt = [r["modelled_throughput"] for r in rs if r["modelled_throughput"] is not None]
+        table[m].update(modelled_throughput=float(np.mean(mt)) if mt else None, repeats=len(rs),
+                        same_as=rs[0]["same_as"], block_sizes=rs[0]["block_sizes"])
+    head = {}
+    for name, base in baselines.items():
+        a = [r["throughput"] for r in at if r["method"] == ADAPTIVE]
+        b = [r["throughput"] for r in at if r["method"] == base]
+        n = min(len(a), len(b))
+        measured = paired_ratio(a[:n], b[:n]) if n else None
+        ma, mb = table.get(ADAPTIVE, {}).get("modelled_throughput"), table.get(base, {}).get("modelled_throughput")
+        head[name] = {"baseline": base, "measured": measured,
+                      "modelled_gain": None if not (ma and mb) else ma / mb - 1}
+    errors = {}
+    ar = table.get("AR")
+    if ar and ar.get("modelled_throughput"):
+        for m, t in table.items():
+            if m != "AR" and t.get("modelled_throughput"):
+                errors[m] = (t["modelled_throughput"] / ar["modelled_throughput"]) / (t["throughput"] /
+                                                                                       ar["throughput"]) - 1
+    return {"concurrency": c, "methods": table, "headline": head,
+            "cost_model": {"speedup_error": errors,
+                           "mean_abs_speedup_error": float(np.mean(np.abs(list(errors.values())))) if errors else None}}
+
+
+def render_load(s: Dict[str, Any]) -> List[str]:
+    """A short table per load, as the run's closing lines print it."""
+    c, t = s["concurrency"], s["methods"]
+    ar = t.get("AR", {}).get("throughput")
+    lines = [f"c={c}: method              tok/s  modelled   x AR  latency p50/p95 s"]
+    for m, r in t.items():
+        mod = f"{r['modelled_throughput']:8.1f}" if r.get("modelled_throughput") else "       -"
+        same = f"  (= {r['same_as']})" if r.get("same_as") else ""
+        lines.append(f"  {m:<20} {r['throughput']:7.1f}  {mod}  {r['throughput'] / ar if ar else 0:5.2f}x  "
+                     f"{r['latency_mean']:.2f}/{r['latency_p95']:.2f}{same}")
+    for name, h in s["headline"].items():
+        me = h["measured"]
+        ci = me.get("ci95") if me else None
+        ci_s = f"[{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else "(no interval)"
+        mod = f"{h['modelled_gain']:+.2%}" if h["modelled_gain"] is not None else "-"
+        lines.append(f"  adaptive vs {name} ({h['baseline']}): measured {me['gain']:+.2%} {ci_s} over "
+                     f"{me['repeats']} repeats; modelled {mod}")
+    err = s["cost_model"]["mean_abs_speedup_error"]
+    if err is not None:
+        lines.append(f"  cost model: mean |speedup error| {err:.1%}")
+    return lines

@@ -1,0 +1,98 @@
+"""evaluate's pass at load: every evaluation prompt served c at a time for each c > 1 of ``evaluate.concurrency``.
+
+Runs after evaluate's per-prompt shards, in the driver's process on one thread (a wall-clock benchmark wants one
+quiet process, not actors sharing the cores; on a GPU cluster the driver then needs the device): the batched engine
+(pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
+``eval/load.parquet`` (one row per c x method x repeat) and ``eval/load.json`` (per c: the table, the headline
+against b*(c) and b*(1) with measured intervals, the cost model's error); a rerun with the same policy, prompts and
+settings keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pyarrow as pa
+
+from pipeline.io.shards import file_sha256, list_shards, write_parquet_atomic, write_text_atomic
+from pipeline.io.storage import read_table
+from pipeline.runtime.log import get as log
+
+LOAD_ROWS, LOAD_SUMMARY = "load.parquet", "load.json"
+
+
+def _fingerprint(cfg, stage) -> Dict[str, Any]:
+    return {"policy": file_sha256(stage.policy_dir / "policy.json"), "concurrency": list(cfg.evaluate.concurrency),
+            "repeats": cfg.evaluate.load_repeats, "decode": vars(cfg.decode), "model": vars(cfg.model),
+            "prompts": file_sha256(stage.prompts / "manifest.json")}
+
+
+def run_load(cfg, stage) -> Dict[str, Any]:
+    """{"c": summary} for every c > 1 (empty without one, or when the cost profile has no load grid)."""
+    loads = [int(c) for c in cfg.evaluate.concurrency if int(c) > 1]
+    out = stage.folder / LOAD_SUMMARY
+    fp = _fingerprint(cfg, stage)
+    if not loads:
+        return {}
+    if out.exists():
+        done = json.loads(out.read_text())
+        if done.get("fingerprint") == fp:
+            return done["loads"]
+    info = stage.policy_info
+    if not info.get("schedule"):
+        log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
+        return {}
+    summaries, rows = _measure(cfg, stage, loads, info)
+    write_parquet_atomic(pa.Table.from_pylist(rows), stage.folder / LOAD_ROWS, compression="zstd")
+    write_text_atomic(json.dumps({"fingerprint": fp, "loads": summaries}, indent=1, default=str) + "\n", out)
+    return summaries
+
+
+def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
+    import torch
+
+    from pipeline.decoding.batched import BatchedEngine, fixed
+    from pipeline.decoding.engine import Engine
+    from pipeline.decoding.models import load_models
+    from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary, render_load
+    from pipeline.policy.blocksize import BlockSizePolicy
+    from pipeline.policy.cost import CostProfile
+    from pipeline.policy.load_cost import LoadCost
+
+    models = load_models(cfg.model)
+    if models.device.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as one decoding actor of one CPU runs
+    engine = Engine(models.target, models.draft, models.stop_token_ids if cfg.decode.stop_on_eos else None)
+    batched = BatchedEngine(engine)
+    policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)
+    try:
+        policy = policy.fold(models.target.lm_head)
+    except ValueError:
+        pass
+    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
+    prompts = [p for shard in list_shards(stage.prompts)
+               for p in read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()]
+    sched = {int(c): int(b) for c, b in info["schedule"].items()}
+    summaries, rows = {}, []
+    try:
+        for c in loads:
+            at_c = policy.at_load(c)
+            choosers = {"AR": fixed(1), **{f"b={b}": fixed(b) for b in stage.candidates},
+                        ADAPTIVE: lambda i, lg, h, p=at_c: (p.choose_action(h if p.reads_hidden else lg).block_size,
+                                                            None)}
+            baselines = {"b*(c)": f"b={sched[c]}", "b*(1)": f"b={sched[1]}"}
+            log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods, "
+                                 f"b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
+            got = evaluate_at_load(batched, prompts, c, choosers, list(baselines.values()),
+                                   cfg.evaluate.load_repeats, cfg.decode.max_new_tokens, load_cost, cfg.decode.seed,
+                                   log=log("evaluate").debug)
+            rows += got
+            summaries[str(c)] = load_summary(got, c, baselines)
+            for line in render_load(summaries[str(c)]):
+                log("evaluate").info(line)
+    finally:
+        if models.device.type == "cpu":
+            torch.set_num_threads(threads)
+    return summaries, rows

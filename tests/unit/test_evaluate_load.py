@@ -1,0 +1,59 @@
+"""Evaluate at load (pipeline.evaluation.load) on the bundled tiny pair: every method serves the same prompts losslessly
+(T = 0: the same tokens), methods with the same choices share one decode, the interval is the paired t interval."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.decoding.batched import BatchedEngine, fixed
+from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary, paired_ratio, render_load
+
+
+def test_the_paired_interval_against_a_hand_computed_case():
+    a, b = [1.1, 1.3, 1.2], [1.0, 1.0, 1.0]
+    d = [math.log(x) for x in a]
+    mean = sum(d) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 2)
+    half = 4.303 * sd / math.sqrt(3)  # t(0.975, 2 df)
+    got = paired_ratio(a, b)
+    assert got["gain"] == pytest.approx(1.2 / 1.0 - 1)
+    assert got["ci95"] == pytest.approx([math.exp(mean - half) - 1, math.exp(mean + half) - 1], rel=1e-6)
+    assert paired_ratio([2.0, 4.0], [1.0, 2.0])["ci95"] == pytest.approx([1.0, 1.0])  # no spread: a point
+    assert paired_ratio([3.0, 3.0], [3.0, 3.0]) == {"gain": 0.0, "ci95": [0.0, 0.0], "repeats": 2, "identical": True}
+
+
+@pytest.fixture(scope="module")
+def batched():
+    from pipeline.decoding.engine import Engine
+    from pipeline.decoding.models import load_models
+    from pipeline.runtime.config import load_config
+
+    torch.set_num_threads(1)
+    m = load_models(load_config(["model.device=cpu", "model.dtype=float32"]).model)
+    return m, BatchedEngine(Engine(m.target, m.draft, m.stop_token_ids))
+
+
+def test_methods_serve_the_same_tokens_and_equal_choices_share_a_decode(batched):
+    m, engine = batched
+    prompts = [m.tokenizer(t)["input_ids"][:20 + 7 * i] for i, t in enumerate(
+        ["def parse(self, text):", "In the beginning God created", "Let x be the number of apples", "import os\n",
+         "The quick brown fox", "class Stack:\n    def push"])]
+    choosers = {"AR": fixed(1), "b=4": fixed(4), "b=6": fixed(6), "also 4": fixed(4),
+                ADAPTIVE: lambda i, lg, h: (4 if i % 2 else 6, None)}
+    rows = evaluate_at_load(engine, prompts, 3, choosers, ["b=4"], repeats=2, max_new_tokens=16)
+    by = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r)
+    assert {r["same_as"] for r in by["also 4"]} == {"b=4"} and len(by["also 4"]) == len(by["b=4"]) == 2
+    assert len(by[ADAPTIVE]) == 2 and len(by["AR"]) == len(by["b=6"]) == 1  # baselines and adaptive repeated
+    assert len({r["new_tokens"] for r in rows}) == 1  # lossless: every method commits the same tokens
+    assert by[ADAPTIVE][0]["block_sizes"] == [4, 6] and by["b=6"][0]["block_sizes"] == [6]
+    s = load_summary(rows, 3, {"b*(c)": "b=4"})
+    assert list(s["methods"]) == ["AR", "b=4", "b=6", "also 4", ADAPTIVE]
+    h = s["headline"]["b*(c)"]
+    a = [r["throughput"] for r in by[ADAPTIVE]]
+    b = [r["throughput"] for r in by["b=4"]]
+    assert h["measured"]["gain"] == pytest.approx(sum(a) / sum(b) - 1) and h["measured"]["repeats"] == 2
+    assert s["cost_model"]["mean_abs_speedup_error"] is None  # no cost model given: nothing modelled
+    assert any("adaptive vs b*(c) (b=4)" in line for line in render_load(s))

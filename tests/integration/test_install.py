@@ -108,9 +108,9 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
 def test_installed_prepare_runs_on_the_bundled_assets(installed, tmp_path):
     _, venv = installed
     out = tmp_path / "run"
-    stdout = _run([venv / "bin" / "blockpilot", "prepare", f"output_dir={out}", "prepare.limit=2", "progress=false"],
-                  cwd=tmp_path, timeout=180)
-    summary = json.loads(stdout[stdout.index("{"):])
+    stdout = _run([venv / "bin" / "blockpilot", "prepare", f"output_dir={out}", "prepare.limit=2", "progress=false",
+                   "--json"], cwd=tmp_path, timeout=180)
+    summary = json.loads(stdout)  # --json: stdout is the summary alone
     # 2 of each kind's bundled label set: the wheel ships every one of them (and prompt_sets.json, which names them).
     from pipeline.runtime.config import KINDS
 

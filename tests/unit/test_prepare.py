@@ -329,10 +329,11 @@ def test_cli_unwritable_output_dir_is_a_clear_error(tmp_path):
 
 def test_job_entrypoint_runs_the_cli(tmp_path):
     proc = subprocess.run([sys.executable, "jobs/prepare.py", f"output_dir={tmp_path}", "progress=false",
-                           "prepare.limit=3", "prepare.sources=[{name: he, kind: bundled, path: humaneval}]"],
+                           "prepare.limit=3", "prepare.sources=[{name: he, kind: bundled, path: humaneval}]", "--json"],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout[proc.stdout.index("{"):])["rows"] == 3
+    assert json.loads(proc.stdout)["rows"] == 3  # --json: stdout is the summary alone, the log on stderr
+    assert "[prepare] done: 3 rows" in proc.stderr
     bad = subprocess.run([sys.executable, "jobs/prepare.py", "no_such_key=1"], capture_output=True, text=True,
                          cwd=REPO_ROOT)
     assert bad.returncode == 2 and "no_such_key" in bad.stderr

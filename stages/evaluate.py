@@ -262,7 +262,9 @@ class EvaluateStage(DecodingStage):
         return summary
 
     def card(self, manifest: Dict[str, Any]) -> str:
-        return results_card(self.methods)
+        from pipeline.evaluation.load import LOAD_CARD
+
+        return results_card(self.methods) + LOAD_CARD
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         return summary_lines(summary, self.methods)

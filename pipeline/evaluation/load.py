@@ -25,6 +25,29 @@ import numpy as np
 
 ADAPTIVE = "adaptive"
 
+LOAD_CARD = """
+## `load.parquet` and `load.json`: the evaluation at load (each c > 1 of `evaluate.concurrency`)
+
+Every evaluation prompt served c at a time by the batched engine (continuous batching), one row per c x method x
+timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `b*(c)`, the
+train-chosen b at c, and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
+the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method).
+
+| column | meaning |
+| --- | --- |
+| `concurrency` | c: requests decoding together |
+| `method` | `AR`, `b=N`, `adaptive` (the policy at c) |
+| `repeat` | the timed repeat (0-based; adaptive and its baselines run `evaluate.load_repeats` times, the rest once) |
+| `same_as` | the method whose decode this is, when both choose the same for every request (not decoded twice), else null |
+| `requests`, `new_tokens`, `steps` | prompts served, tokens generated in all, batched decode steps |
+| `block_sizes` | the distinct block sizes the method's requests ran at |
+| `wall_seconds` | measured seconds of the whole run (prefills included) |
+| `prefill_seconds`, `decode_seconds` | measured seconds of the prefill forwards, of the decode steps |
+| `modelled_decode_seconds` | the ragged cost model's seconds for the same decode steps (cost_profile.json v3) |
+| `throughput`, `modelled_throughput` | new tokens per second: measured; modelled (decode model + measured prefill) |
+| `latency_mean`, `latency_p50`, `latency_p95` | per request, seconds from its admission (prefill) to its last token |
+"""
+
 
 # Student's t 0.975 quantiles by degrees of freedom (standard tables; scipy is not in the stack): a paired interval
 # over a handful of repeats.

@@ -4,7 +4,9 @@ One run is made per module and shared by the read-only tests; tests that damage 
 """
 
 import hashlib
+import itertools
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -27,6 +29,17 @@ def cfg_for(out, *extra):
     return load_config([f"output_dir={out}", *FAST, *extra])
 
 
+class StageLines(logging.Handler):
+    """The lines the stages log, in order, as (stage, message): what the CLI prints as ``[stage] message``."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.name.split(".", 1)[1] if "." in record.name else record.name, record.getMessage()))
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, ray_session):
     from stages import prepare, label, train, tune, evaluate, report
@@ -34,10 +47,82 @@ def run_dir(tmp_path_factory, ray_session):
     out = tmp_path_factory.mktemp("run")
     cfg = cfg_for(out)
     summaries = {}
-    for name, mod in (("prepare", prepare), ("label", label), ("train", train), ("tune", tune),
-                      ("evaluate", evaluate), ("report", report)):
-        summaries[name] = mod.run(cfg)
+    logger = logging.getLogger("blockpilot")
+    handler, level = StageLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for name, mod in (("prepare", prepare), ("label", label), ("train", train), ("tune", tune),
+                          ("evaluate", evaluate), ("report", report)):
+            summaries[name] = mod.run(cfg)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    summaries["_lines"] = handler.lines
     return out, summaries
+
+
+# ---- intervals, worked out exactly from the result rows ----------------------------------------------------------
+
+def exact_bootstrap(per_set, statistic, final=lambda q: q):
+    """The exact distribution a grouped paired bootstrap samples from, enumerated (an independent computation, no
+    random draws): in each set every one of the n^n equally likely resamples of its n prompts (index tuples, the
+    prompt's arrays kept together), ``statistic`` of the arrays' means; for ``"average"`` every combination of the
+    sets' resamples, the sets' quantities averaged, then ``final``. per_set: {set: (array, ...)}."""
+    quantities = {}
+    for ds, arrays in per_set.items():
+        n = len(arrays[0])
+        idx = np.array(list(itertools.product(range(n), repeat=n)))
+        quantities[ds] = np.asarray(statistic(*(np.asarray(a, dtype=np.float64)[idx].mean(axis=1) for a in arrays)))
+    out = {ds: np.ravel(final(q)) for ds, q in quantities.items()}
+    total, count = None, 0
+    for q in quantities.values():  # every combination: an outer sum over the sets' resamples
+        total = q if total is None else (total[..., :, None] + q[..., None, :]).reshape(*q.shape[:-1], -1)
+        count += 1
+    out["average"] = np.ravel(final(total / count))
+    return out
+
+
+def assert_interval_fits(ci, values, what):
+    """A 95 % percentile interval of 2000 draws from ``values`` (equally likely): its low end lies between the exact
+    0.5 % and 5 % quantiles, its high end between the 95 % and 99.5 % ones (outside them with probability < 1e-6;
+    a 90 % or a 99.9 % interval, another estimator or unpaired draws fall outside)."""
+    q = np.quantile(values, [0.005, 0.05, 0.95, 0.995], method="inverted_cdf")
+    lo, hi = ci
+    tol = 1e-6  # results.parquet holds the times as float32; evaluate computed on the float64 ones
+    assert q[0] - tol <= lo <= q[1] + tol and q[2] - tol <= hi <= q[3] + tol, (what, ci, q.tolist())
+
+
+def per_set_columns(res, methods, modelled=False):
+    """{set: (per-prompt time per output token of each method, ...)}, prompts in one order for every method."""
+    import polars as pl
+
+    col = (pl.col("modelled_seconds") / pl.max_horizontal(pl.col("new_tokens"), pl.lit(1))) if modelled else \
+        pl.col("time_per_output_token")
+    df = res.with_columns(col.alias("t")).select("source", "prompt_id", "method", "t")
+    out = {}
+    for ds in sorted(df["source"].unique().to_list()):
+        sub = df.filter(pl.col("source") == ds)
+        cols = [sub.filter(pl.col("method") == m).sort("prompt_id") for m in methods]
+        assert all(c["prompt_id"].to_list() == cols[0]["prompt_id"].to_list() for c in cols), (ds, methods)
+        out[ds] = tuple(c["t"].to_numpy() for c in cols)
+    return out
+
+
+def check_pair_gain(res, g, a, b, what):
+    """A modelled gain of method a over b with its interval (pipeline.evaluation.headline.pair_gain and
+    headline_numbers): per set mean(AR) / mean(a) over mean(AR) / mean(b); the average: the set-averaged speedups'
+    ratio. The estimates from the rows, the intervals against the exact bootstrap distribution."""
+    cols = per_set_columns(res, ["AR", a, b], modelled=True)
+    speeds = {ds: (ar.mean() / x.mean(), ar.mean() / y.mean()) for ds, (ar, x, y) in cols.items()}
+    exact = exact_bootstrap(cols, lambda ar, x, y: np.stack([ar / x, ar / y]), final=lambda s: s[0] / s[1] - 1)
+    gain = np.mean([v[0] for v in speeds.values()]) / np.mean([v[1] for v in speeds.values()]) - 1
+    assert g["gain"] == pytest.approx(gain, rel=1e-4, abs=1e-6), what
+    assert_interval_fits(g["gain_ci95"], exact["average"], (what, "average"))
+    for ds, v in (g.get("per_set") or {}).items():
+        assert v["gain"] == pytest.approx(speeds[ds][0] / speeds[ds][1] - 1, rel=1e-4, abs=1e-6), (what, ds)
+        if "ci95" in v:
+            assert_interval_fits(v["ci95"], exact[ds], (what, ds))
 
 
 # ---- label ------------------------------------------------------------------------------------------------------
@@ -224,8 +309,19 @@ def test_train_outputs_and_policy_round_trip(run_dir):
     trained = BlockSizeMLP(policy.vocab_size, len(policy.actions), 64, 2, 0.2)  # FAST: train.hidden=64
     trained.load_state_dict(state["model"])
     trained.eval()
-    with torch.no_grad():  # the speed policy's rule: the argmax, unless its predicted gain is under the margin
-        expected = [policy.actions[i].block_size for i in policy.decide(trained(x))]
+    assert policy.input_transform == "none"  # the raw logits go into the MLP as they are
+    with torch.no_grad():
+        scores = trained(x).tolist()
+    # The speed policy's rule, row by row: the best-scoring action, unless its predicted gain over the fallback b
+    # (the score difference, a log speed ratio, times score_scale) does not beat the margin; then the fallback b.
+    fallback = next(i for i, a in enumerate(policy.actions) if a.rule is None and
+                    a.block_size == policy.info["fallback_block_size"])
+    expected = []
+    for row in scores:
+        best = max(range(len(row)), key=lambda i: (row[i], -i))  # the first of equal maxima
+        gain = (row[best] - row[fallback]) * policy.info.get("score_scale", 1.0)
+        take = policy.margin is not None and gain > policy.margin
+        expected.append(policy.actions[best if take else fallback].block_size)
     assert policy.choose_batch(x) == expected and len(expected) == 8
     assert policy.choose(x[0]) == expected[0]  # one row alone: the same choice as in the batch
     with pytest.raises(ValueError, match="vocabulary of"):
@@ -326,13 +422,15 @@ def test_evaluate_results_and_summary(run_dir):
     chosen = BlockSizePolicy.from_pretrained(out / "train" / "policy").info["best_fixed_block_size"]
     assert [c["against"] for c in comps] == [f"b={chosen}", max(
         [m for m in methods if m.startswith("b=")], key=lambda m: s["tables"]["speedup"][m]["average"])]
-    for c in comps:
+    for c in comps:  # wall-clock gain: per set mean(fixed) / mean(adaptive) - 1, averaged over the sets
+        cols = per_set_columns(res, ["adaptive", c["against"]])
+        exact = exact_bootstrap(cols, lambda a, b: b / a - 1)
+        gains = {ds: b.mean() / a.mean() - 1 for ds, (a, b) in cols.items()}
+        assert c["average"]["gain"] == pytest.approx(np.mean(list(gains.values())), rel=1e-4, abs=1e-6)
         for ds in [*s["datasets"], "average"]:
-            lo, hi = c[ds]["ci95"]
-            assert lo <= c[ds]["gain"] <= hi and hi - lo > 0, (c["against"], ds, c[ds])
-        ad, fx = (res.filter((pl.col("source") == "humaneval") & (pl.col("method") == m))["time_per_output_token"]
-                  .mean() for m in ("adaptive", c["against"]))
-        assert c["humaneval"]["gain"] == pytest.approx(fx / ad - 1, rel=1e-5)
+            if ds != "average":
+                assert c[ds]["gain"] == pytest.approx(gains[ds], rel=1e-4, abs=1e-6), (c["against"], ds)
+            assert_interval_fits(c[ds]["ci95"], exact[ds], (c["against"], ds))
     assert "## Adaptive against a fixed block size" in md
     # The cost model against wall clock (pipeline.evaluation.cost_check): every method, per set and averaged, from
     # the rows' own modelled and measured seconds.
@@ -400,22 +498,23 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     assert ("per-step rule" in h["adaptive_is"]) == (choice["gain"] > 0)
     lvt = h["learned_vs_threshold"]  # the grid has both families: both are decoded
     assert {lvt["learned"], lvt["threshold"]} == {"learned", "threshold:0.05"}
-    assert lvt["gain_ci95"][0] <= lvt["gain"] <= lvt["gain_ci95"][1]
+    check_pair_gain(res, lvt, lvt["a"], lvt["b"], "learned vs threshold")
     for m, r in h["rules"].items():
         assert r["modelled_speedup"] <= r["per_step_oracle"] + 1e-9, m
     # What the per-request decision adds to the rule: adaptive against the rule alone, paired per prompt; where
     # adaptive ran the rule on every prompt (the policy answered its fallback) the two are the same decodes.
     avr = h["adaptive_vs_per_step"]
     assert (avr["a"], avr["b"], avr["prompts"]) == ("adaptive", "per-step", 8)
-    assert avr["gain_ci95"][0] <= avr["gain"] <= avr["gain_ci95"][1]
+    check_pair_gain(res, avr, "adaptive", "per-step", "adaptive vs per-step")
     ad = res.filter(pl.col("method") == "adaptive").sort(["source", "prompt_id"])
     if (ad["step_rule"] == choice["rule"]).all() and (ad["block_size"] == 10).all():
         assert avr["gain"] == pytest.approx(0.0, abs=1e-12)
     assert "## What the per-request policy adds to the per-step rule" in (out / "eval" / "summary.md").read_text()
-    for key in ("policy_only", "per_step"):
-        assert set(h[key]["modelled"]) == set(h["modelled"])
-        lo, hi = h[key]["modelled"]["gain_ci95"]
-        assert lo <= h[key]["modelled"]["gain"] <= hi
+    for key, method in (("policy_only", "policy"), ("per_step", "per-step")):
+        part = h[key]["modelled"]
+        assert set(part) == set(h["modelled"])
+        check_pair_gain(res, {"gain": part["gain"], "gain_ci95": part["gain_ci95"]}, method,
+                        f"b={part['baseline_b']}", key)
 
 
 def test_evaluate_prompts_come_from_prepare_and_their_settings_bind_the_results(run_dir, tmp_path):
@@ -456,9 +555,22 @@ def test_report_has_tables_and_valid_pngs(run_dir):
     assert rows["adaptive"]["modelled"] == ev["tables"]["modelled_speedup"]["adaptive"]["average"]
     chosen = BlockSizePolicy.from_pretrained(out / "train" / "policy").train_chosen_block_size
     assert h["train_chosen_b"] == chosen and f"train-chosen b={chosen}" in [r["row"] for r in h["rows"]]
-    fixed = [m for m in ev["methods"] if m.startswith("b=")]
-    fastest = max(fixed, key=lambda m: ev["tables"]["modelled_speedup"][m]["average"])
-    assert fastest in rows and rows[fastest]["gain"] >= 0  # the hindsight b, never slower than the baseline
+    # The hindsight b, by brute force over the result rows: per fixed b its modelled speedup (mean AR / mean b time
+    # per output token, per set, averaged over the sets); the row named hindsight is the fastest, its gain over the
+    # baseline that speedup's ratio to the baseline's.
+    import polars as pl
+
+    res = pl.read_parquet(out / "eval" / "results.parquet")
+    fixed = sorted({m for m in res["method"].to_list() if m.startswith("b=")})
+    cols = per_set_columns(res, ["AR", *fixed], modelled=True)
+    speedup = {m: np.mean([c[0].mean() / c[1 + i].mean() for c in cols.values()]) for i, m in enumerate(fixed)}
+    fastest = max(speedup, key=speedup.get)
+    (hind,) = [r for r in h["rows"] if r["row"].startswith("hindsight b=")]
+    assert hind["method"] == fastest and h["modelled"]["hindsight_b"] == int(fastest[2:]), (hind, speedup)
+    assert hind["modelled"] == pytest.approx(speedup[fastest], rel=1e-4)
+    assert hind["gain"] == pytest.approx(speedup[fastest] / speedup[f"b={h['modelled']['baseline_b']}"] - 1,
+                                         rel=1e-4, abs=1e-6)
+    assert all(hind["modelled"] >= rows[m]["modelled"] for m in fixed if m in rows)
     assert "| adaptive | " in text
 
 
@@ -532,3 +644,32 @@ def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_clo
     assert s["held_out"]["val_rows"] == int(p.splits.val.sum())
     # A rerun with the same inputs is skipped.
     assert train.run(cfg)["status"] == "skipped: complete"
+
+
+def test_each_stage_ends_with_its_done_line_and_a_short_summary(run_dir):
+    """What each stage command prints last (stages.cli adds nothing without --json): the stage's done: line, then at
+    most a few summary lines, none of them a dict or JSON (issue #36: a stage command printed its summary as JSON).
+    A closing block is the done: line and the lines of the same stage right after it."""
+    import re
+
+    dump = re.compile(r"^\s*\[?\{|\{['\"]?\w+['\"]?: ")  # a JSON document or a dict's repr
+    lines = run_dir[1]["_lines"]
+    out = run_dir[0]
+    for stage in ("prepare", "label", "train", "tune", "evaluate", "report"):
+        own = [i for i, (st, _) in enumerate(lines) if st == stage]
+        done = [i for i in own if lines[i][1].startswith("done: ")]
+        assert done, (stage, [lines[i] for i in own])
+        first = done[0]
+        block = [lines[first]]
+        for st, msg in lines[first + 1:]:
+            if st != stage:
+                break
+            block.append((st, msg))
+        # evaluate's summary is its table, one line per method (and a header); every other stage's a line or a few
+        most = 2 + len(run_dir[1]["evaluate"]["methods"]) if stage == "evaluate" else 8
+        assert 1 <= len(block) <= most and not [m for _, m in block if dump.search(m)], (stage, block)
+        if stage != "prepare":  # (evaluate prepares its prompt sets through a prepare stage: a second block later)
+            assert own[-1] == first + len(block) - 1, (stage, block, lines[own[-1]])  # nothing after it
+    closing = {st: msg for st, msg in lines if msg.startswith("done: ")}
+    assert closing["label"].endswith(f"-> {out / 'labels'}")
+    assert closing["report"].endswith(f"-> {out / 'report' / 'report.md'}")

@@ -78,10 +78,11 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     summaries, rows = {}, []
     try:
         for c in loads:
-            at_c = policy.at_load(c)
-            choosers = {"AR": fixed(1), **{f"b={b}": fixed(b) for b in stage.candidates},
-                        ADAPTIVE: lambda i, lg, h, p=at_c: (p.choose_action(h if p.reads_hidden else lg).block_size,
-                                                            None)}
+            choosers = {"AR": fixed(1), **{f"b={b}": fixed(b) for b in stage.candidates}}
+            rule = _rule_at(stage, c)
+            if rule is not None:  # tune's rule at c, alone
+                choosers["per-step"] = fixed(rule[1], rule[0])
+            choosers[ADAPTIVE] = _adaptive(policy.at_load(c), rule)
             baselines = {"b*(c)": f"b={sched[c]}", "b*(1)": f"b={sched[1]}"}
             log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods, "
                                  f"b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
@@ -96,3 +97,29 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
         if models.device.type == "cpu":
             torch.set_num_threads(threads)
     return summaries, rows
+
+
+def _rule_at(stage, c: int):
+    """(rule, b_max, gain) of tune's choice at c when it gained there (tune/step_rule.json's ``load``), else None."""
+    from pipeline.policy.step_rules import parse_rule
+
+    got = ((stage.step_rule or {}).get("load") or {}).get(str(c))
+    if not got or not got["gain"] > 0:
+        return None
+    return parse_rule(got["rule"]), int(got["max_block_size"]), float(got["gain"])
+
+
+def _adaptive(policy, rule):
+    """The product's decoder at c: the policy at c, and where it answers its fallback b*(c), tune's rule at c (when
+    that gained); the policy leaves the rule only for a predicted gain above the rule's own (as at c = 1)."""
+    import math
+
+    min_gain = math.log1p(rule[2]) if rule is not None else 0.0
+
+    def choose(i, logits, hidden):
+        a = policy.choose_action(hidden if policy.reads_hidden else logits, min_gain=min_gain)
+        if rule is not None and a.block_size == policy.fallback_block_size and a.rule is None:
+            return rule[1], rule[0]
+        return a.block_size, None
+
+    return choose

@@ -159,6 +159,7 @@ class TuneStage(DecodingStage):
         s = self.searched
         decoded = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
         choice = {**s["choice"], "confirmed": confirm(decoded, s["rows"], self.baseline)}
+        choice["load"] = self.at_load()
         write_parquet_atomic(pa.Table.from_pylist(s["rows"], schema=TUNE_SCHEMA), self.folder / SIMULATED)
         if s["learned"] is not None:
             write_json_atomic(s["learned"].to_dict(), self.folder / VERIFY_MODEL)
@@ -169,14 +170,30 @@ class TuneStage(DecodingStage):
                 "oracle_gain": choice["per_step_oracle"]["gain"],
                 "families": {f: {"rule": t["rule"], "gain": t["gain"], "oracle_gain_captured": t["oracle_gain_captured"]}
                              for f, t in fam.items()},
-                "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"]}
+                "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
+                "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()}}
+
+    def at_load(self) -> Dict[str, Any]:
+        """The rule at each c > 1 of train's schedule (a version-3 cost profile), simulated on the same val rows."""
+        from pipeline.evaluation.rule_search import search_at_load
+        from pipeline.policy.load_cost import LoadCost
+
+        sched = {int(c): int(b) for c, b in (self.policy_info.get("schedule") or {}).items()}
+        if len(sched) < 2:
+            return {}
+        t = self.cfg.train
+        rows = read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction)
+        return search_at_load(rows, self.cfg.tune.rules, LoadCost.from_profile(self.profile), sched,
+                              self.cfg.decode.max_new_tokens)
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         fams = ", ".join(f"{f} {t['rule']} {t['gain']:+.2%}" for f, t in summary["families"].items())
         return [f"chose {summary['step_rule']} at b_max={summary['max_block_size']}: modelled gain "
                 f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on {summary['prompts']} held-out "
                 f"label prompts (simulated; per-step oracle {summary['oracle_gain']:+.2%}; best per family: {fams})",
-                f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})"]
+                f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})",
+                *[f"at c={c}: {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']} (simulated)"
+                  for c, v in (summary.get("load") or {}).items()]]
 
     def card(self, manifest: Dict[str, Any]) -> str:
         rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in TUNE_COLUMNS)

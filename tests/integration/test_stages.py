@@ -480,7 +480,7 @@ def test_tune_chooses_the_rule_on_held_out_label_prompts_and_evaluate_runs_it(ru
     prompt = pl.read_parquet(list(list_shards(out / "prompts"))).filter(pl.col("prompt_id") == row["prompt_id"])
     assert row["modelled_seconds"] == pytest.approx(profile.decode_seconds(
         row["verified"], 10, rule=True, context=len(prompt["input_ids"][0])))
-    assert profile.version == 2 and profile.rule_seconds(10) > 0 and row["modelled_seconds"] > sum(
+    assert profile.version == 3 and profile.rule_seconds(10) > 0 and row["modelled_seconds"] > sum(
         profile.step_seconds(10, v, rule=False) for v in row["verified"])
     assert all(v <= 9 for v in row["verified"]) and len(row["verified"]) == row["steps"]
     # evaluate ran the chosen rule alone (and inside adaptive, in test_evaluate_results_and_summary), exactly (same

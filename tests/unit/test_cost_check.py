@@ -96,7 +96,7 @@ def raw_points(block_sizes=(1, 2, 8, 16), contexts=(64, 256), rule_sizes=(2, 16)
 
 def test_the_fit_recovers_a_known_first_step_extra_and_rule_cost():
     p = CostProfile.from_raw(raw_points())
-    assert p.version == FORMAT_VERSION == 2
+    assert p.version == FORMAT_VERSION == 3
     for k, truth in (("draft", DRAFT), ("verify", VERIFY)):  # steady steps: the first one's extra left out
         assert (p.fit[k]["intercept"], p.fit[k]["slope"]) == pytest.approx(truth)
     assert (p.fit["rule"]["intercept"], p.fit["rule"]["slope"]) == pytest.approx(RULE)
@@ -118,11 +118,12 @@ def test_the_fit_recovers_a_known_first_step_extra_and_rule_cost():
     assert p.step_seconds(12, 11, rule=False) == pytest.approx(p.cost(12))
 
 
-def test_a_version_2_profile_round_trips_and_a_version_1_profile_still_loads(tmp_path):
+def test_a_version_3_profile_round_trips_and_a_version_1_profile_still_loads(tmp_path):
     p = CostProfile.from_raw(raw_points(), meta={"device": "cpu"})
     p.save(tmp_path / "cost_profile.json")
     d = json.loads((tmp_path / "cost_profile.json").read_text())
-    assert d["format"] == FORMAT and d["version"] == 2 and "rule" in d["fit"] and "first_step" in d["fit"]
+    # Version 3 adds the load grid (pipeline.policy.load_cost); without one it reads as c = 1 at every load.
+    assert d["format"] == FORMAT and d["version"] == 3 and "rule" in d["fit"] and "first_step" in d["fit"]
     again = CostProfile.load(tmp_path / "cost_profile.json")
     assert again.raw == p.raw and again.fit == p.fit and again.meta["device"] == "cpu"
     assert again.decode_seconds([3, 11], 12, rule=True, context=80) == p.decode_seconds([3, 11], 12, rule=True,

@@ -101,12 +101,13 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
 
 def _rule_at(stage, c: int):
     """(rule, b_max, gain) of tune's choice at c when it gained there (tune/step_rule.json's ``load``), else None."""
-    from pipeline.policy.step_rules import parse_rule
+    from pipeline.policy.step_rules import LEARNED, LearnedVerify, parse_rule
 
     got = ((stage.step_rule or {}).get("load") or {}).get(str(c))
     if not got or not got["gain"] > 0:
         return None
-    return parse_rule(got["rule"]), int(got["max_block_size"]), float(got["gain"])
+    rule = LearnedVerify.from_dict(got["learned_model"]) if got["rule"] == LEARNED else parse_rule(got["rule"])
+    return rule, int(got["max_block_size"]), float(got["gain"])
 
 
 def _adaptive(policy, rule):

@@ -165,16 +165,23 @@ def _committed(trace: Trace, verified: Sequence[int]) -> List[int]:
 
 def search_at_load(rows: Dict[str, List[TracedRow]], rules: Sequence[str], load, schedule: Dict[int, int],
                    max_new_tokens: Optional[int] = None) -> Dict[str, Any]:
-    """tune's choice at each c > 1 of the schedule: every rule but ``learned`` (its acceptance model's rate is the
-    c = 1 profile's) simulated on the val traces under the seconds of a stream at c (``load.at(c)``), against that
-    c's train-chosen b. {c: {rule, max_block_size, gain, baseline_b, per_step_oracle_gain, table}}."""
+    """tune's choice at each c > 1 of the schedule: every rule simulated on the val traces under the seconds of a
+    stream at c (``load.at(c)``), against that c's train-chosen b; the learned rule's step seconds and rate are
+    refitted at c (its acceptance model, fitted on the train traces, does not depend on load) and kept inline
+    (``learned_model``, plain JSON). {c: {rule, max_block_size, gain, baseline_b, per_step_oracle_gain,
+    learned_vs_threshold, table}}."""
     out = {}
-    plain = [r for r in rules if r != LEARNED]
     for c, b in sorted(schedule.items()):
-        if int(c) == 1 or not plain:
+        if int(c) == 1 or not rules:
             continue
-        got = search(rows, plain, load.at(int(c)), int(b), max_new_tokens)["choice"]
+        found = search(rows, rules, load.at(int(c)), int(b), max_new_tokens)
+        got = found["choice"]
+        fam = got["families"]
         out[str(c)] = {k: got[k] for k in ("rule", "max_block_size", "gain", "baseline_b")}
-        out[str(c)].update(per_step_oracle_gain=got["per_step_oracle"]["gain"],
-                           table=[{k: t[k] for k in ("rule", "gain", "oracle_gain_captured")} for t in got["table"]])
+        out[str(c)].update(
+            per_step_oracle_gain=got["per_step_oracle"]["gain"],
+            learned_vs_threshold=(None if not {"learned", "threshold"} <= set(fam) else
+                                  (1 + fam["learned"]["gain"]) / (1 + fam["threshold"]["gain"]) - 1),
+            learned_model=found["learned"].to_dict() if found["learned"] is not None else None,
+            table=[{k: t[k] for k in ("rule", "gain", "oracle_gain_captured")} for t in got["table"]])
     return out

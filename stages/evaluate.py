@@ -278,4 +278,20 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     from .evaluate_load import run_load  # c > 1 of evaluate.concurrency: every prompt served c at a time
 
     loads = run_load(cfg, stage)
-    return {**summary, "load": loads} if loads else summary
+    if not loads:
+        return summary
+    return {**summary, **with_load(stage, summary, loads)}
+
+
+def with_load(stage: EvaluateStage, summary: Dict[str, Any], loads: Dict[str, Any]) -> Dict[str, Any]:
+    """summary.json's ``headline_by_concurrency`` ({c: headline}: c = 1's is ``headline``, each c > 1's against
+    b*(c) and b*(1) with its wall-clock intervals) and ``load`` (eval/load.json's), written into the folder's
+    summary.json beside what the per-prompt pass wrote."""
+    from pipeline.io.shards import write_json_atomic
+
+    extra = {"headline_by_concurrency": {"1": summary.get("headline"),
+                                         **{c: s["headline"] for c, s in loads.items()}}, "load": loads}
+    path = stage.folder / "summary.json"
+    if path.exists():
+        write_json_atomic({**json.loads(path.read_text()), **extra}, path)
+    return extra

@@ -75,8 +75,7 @@ class Checkpointer:
 
 def _quiet_ray_train_reports() -> None:
     """Ray Train logs "Reporting training result ..." (a full repr of every report) through a logger named by its
-    file path, which its own log_level filter (RunConfig.logging_config, for ``ray.train.*``) misses: quiet it here,
-    on the worker, unless -v."""
+    file path, which its log_level filter (RunConfig.logging_config, ``ray.train.*``) misses: quieted unless -v."""
     import logging
 
     from pipeline.runtime.log import verbosity

@@ -17,6 +17,11 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# The value checks and the closed sets of values live in pipeline.runtime.checks; re-exported here, where every
+# caller imports them from.
+from pipeline.runtime.checks import (DTYPES, LABEL_KINDS, LABEL_MODES, LOGITS_PRECISIONS, OBJECTIVES,  # noqa: F401
+                                     POLICY_MODELS, SOURCE_KINDS, ConfigError, _get, validate)
+
 # The checkout's root (tests use it for tests/data); meaningless in an installed package.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,19 +46,6 @@ PUBLISHED_DIR = CONF_DIR / "published"
 PUBLISHED_PREFIX = "published:"
 
 
-class ConfigError(ValueError):
-    """A config problem, raised before any work; the message names the offending key."""
-
-
-# Choice lists this module owns (their users sit in layers above pipeline.runtime, or in stages/, and import them
-# from here). train.input_transform's list is pipeline.policy.blocksize.TRANSFORMS (see _choices).
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-LABEL_MODES = ("auto", "exhaustive", "replay")
-LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
-OBJECTIVES = ("speed", "paper", "hard", "soft")
-POLICY_MODELS = ("ridge", "mlp")
-LABEL_KINDS = ("tau", "speedup")
-SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
 
 
 @dataclass
@@ -308,93 +300,6 @@ class PipelineConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
 
-def _choices() -> Dict[str, tuple]:
-    """Every key with a closed set of values, and the set. The transforms are imported here, not at the top:
-    pipeline.policy.blocksize imports torch, which reading a config does not need."""
-    from pipeline.policy.blocksize import TRANSFORMS
-
-    return {
-        "model.dtype": DTYPES,
-        "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
-        "train.input_transform": TRANSFORMS,
-        "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
-        "train.label": LABEL_KINDS,
-    }
-
-
-def _check(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {msg}")
-
-
-def _validate(cfg: PipelineConfig) -> None:
-    for key, choices in _choices().items():
-        value = _get(cfg, key)
-        _check(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
-    d = cfg.decode
-    _check(d.max_new_tokens >= 1, "decode.max_new_tokens", "must be >= 1")
-    _check(d.temperature >= 0, "decode.temperature", "must be >= 0")
-    _check(0 < d.top_p <= 1, "decode.top_p", "must be in (0, 1]")
-    _check(d.top_k >= 0, "decode.top_k", "must be >= 0")
-    _check(cfg.label.k >= 0, "label.k", "must be >= 0")
-    _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
-           "label.block_size", "B - k must be >= 1")
-    for key, low in (("label.num_workers", 1), ("label.batch_size", 1), ("label.trace_block_size", 2),
-                     ("prepare.shard_size", 1), ("prepare.max_prompt_tokens", 1), ("prepare.limit", 1),
-                     ("train.checkpoint_every", 1), ("profile.max_block_size", 1)):  # None: unset, or no bound
-        _check(_get(cfg, key) is None or _get(cfg, key) >= low, key, f"must be >= {low}")
-    _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
-    _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
-    _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
-           "replay is exact only at temperature 0; use exhaustive or auto")
-    _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
-    _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
-           "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")
-    pr = cfg.profile
-    _check(len(pr.context_lengths) >= 1 and all(c >= 1 for c in pr.context_lengths), "profile.context_lengths",
-           "needs at least one length >= 1")
-    _check(pr.steps >= 1, "profile.steps", "must be >= 1")
-    _check(1 <= pr.min_repeats <= pr.max_repeats, "profile.min_repeats", "must be in [1, profile.max_repeats]")
-    _check(pr.rel_tol > 0, "profile.rel_tol", "must be > 0")
-    _check(bool(pr.concurrency) and pr.concurrency[0] == 1 and sorted(set(pr.concurrency)) == list(pr.concurrency),
-           "profile.concurrency", "must be ascending distinct concurrencies starting at 1, e.g. [1, 4, 16]")
-    _check(pr.load_rounds >= 1, "profile.load_rounds", "must be >= 1")
-    ev = cfg.evaluate
-    _check(bool(ev.concurrency) and set(ev.concurrency) <= set(pr.concurrency), "evaluate.concurrency",
-           f"every c must be in profile.concurrency {list(pr.concurrency)} (its cost model is measured there)")
-    _check(ev.load_repeats >= 1, "evaluate.load_repeats", "must be >= 1")
-    _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
-    _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
-    _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
-    _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
-    _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
-    from pipeline.policy.step_rules import LEARNED, parse_rule
-
-    _check(cfg.train.model != "ridge" or cfg.train.objective == "speed", "train.model",
-           f"ridge regresses the speed targets: it needs train.objective=speed (not {cfg.train.objective!r}), or mlp")
-    for key, rules in (("tune.rules", cfg.tune.rules), ("train.rules", cfg.train.rules)):
-        for i, rule in enumerate(rules):
-            try:
-                if rule != LEARNED or key == "train.rules":  # a rule action is static: no fitted rule file
-                    parse_rule(rule)
-            except ValueError as err:
-                raise ConfigError(f"config key '{key}[{i}]': {err}") from None
-    for section in ("prepare", "evaluate"):
-        names = set()
-        for i, src in enumerate(getattr(cfg, section).sources):
-            key = f"{section}.sources[{i}]"
-            _check(src.kind in SOURCE_KINDS, f"{key}.kind", f"{src.kind!r} is not one of {', '.join(SOURCE_KINDS)}")
-            _check(src.name not in names, f"{key}.name", f"duplicate source name {src.name!r}")
-            names.add(src.name)
-            _check(src.limit is None or src.limit >= 1, f"{key}.limit", "must be >= 1")
-
-
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _key_of(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or getattr(err, "key", None)
     return str(key) if key else "?"
@@ -452,7 +357,7 @@ def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str
     except OmegaConfBaseException as err:
         msg = str(err).splitlines()[0]
         raise ConfigError(f"config key '{_key_of(err)}': {msg}") from None
-    _validate(cfg)
+    validate(cfg)
     return cfg
 
 

@@ -101,9 +101,10 @@ def test_published_configs_are_the_four_shipped():
 
 def test_choice_lists_come_from_their_owners():
     from pipeline.policy.blocksize import TRANSFORMS
+    from pipeline.runtime import checks
 
-    assert config._choices()["train.input_transform"] is TRANSFORMS
-    assert config._choices()["model.dtype"] is config.DTYPES
+    assert checks._choices()["train.input_transform"] is TRANSFORMS
+    assert checks._choices()["model.dtype"] is config.DTYPES is checks.DTYPES
 
 
 def _conf_texts():

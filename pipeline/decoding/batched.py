@@ -401,14 +401,16 @@ class BatchedEngine:
         draft_logits = d.compute_logits(hidden[0].index_select(0, pick), self.head)
         temperature, top_p, top_k = self.sampling
         out, at = [], 0
-        for vs in sizes:
+        for r, vs in zip(rows, sizes):
             lg = draft_logits[at:at + vs - 1][None]
             if temperature > 0:
                 p = _sampling_probs(lg, temperature, top_p, top_k)
                 tokens = _sample_probs(p)[0].tolist()
             else:
                 p, tokens = None, lg[0].argmax(-1).tolist()
-            out.append((tokens, p, draft_confidence(p, lg)))
+            # The confidences (a softmax over V per slot) only where a rule reads them.
+            conf = draft_confidence(p, lg) if r.choice[1] is not None else None
+            out.append((tokens, p, conf))
             at += vs - 1
         return out
 

@@ -73,8 +73,15 @@ def profile_with_load(engine, cfg, trained_block_size: int, candidates: Sequence
     c > 1 of ``profile.concurrency``, the batched engine's seconds per step at every other b (format version 3)."""
     from pipeline.policy.cost import profile_for
 
+    from pipeline.decoding.batched import require_batchable
+
     profile = profile_for(engine, cfg, trained_block_size, candidates, meta)
     p = cfg.profile
+    try:
+        require_batchable(engine)
+    except ValueError as err:  # the pair decodes at c = 1; the batched engine does not serve it: no load grid
+        profile.meta["load_skipped"] = str(err)
+        return profile
     vocab = int(engine.target.get_output_embeddings().weight.shape[0])
     load = measure_load(engine, load_block_sizes(profile.seconds), p.concurrency, vocab,
                         context_lengths=p.context_lengths, steps=p.steps, rounds=p.load_rounds, seed=cfg.decode.seed)

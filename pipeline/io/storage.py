@@ -60,8 +60,35 @@ def location(path: PathLike):
 
         # No listing cache: shards are written by other processes (Ray actors), and a cached listing would hide
         # them from the driver's done checks and manifest.
+        _quiet_orphan_tasks()
         return UPath(text, use_listings_cache=False)
     return Path(text)
+
+
+_QUIETED = []
+
+
+def _quiet_orphan_tasks() -> None:
+    """fsspec runs s3fs/aiohttp on its own event loop. A request that fails while the store is down can leave an
+    aiohttp write task whose connection error nobody retrieves, and asyncio's default handler then prints its whole
+    traceback ("Task exception was never retrieved") beside the stage's own one-line error. The failure itself
+    reaches the stage through the request it awaits; only that orphan's traceback is dropped (to the debug log)."""
+    if _QUIETED:
+        return
+    import logging
+
+    import fsspec.asyn
+
+    loop = fsspec.asyn.get_loop()
+
+    def handler(loop, context):
+        if isinstance(context.get("exception"), ConnectionError) and "never retrieved" in context.get("message", ""):
+            logging.getLogger(__name__).debug("orphan storage task: %s", context["exception"])
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    _QUIETED.append(loop)
 
 
 def is_remote(path: Any) -> bool:

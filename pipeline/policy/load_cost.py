@@ -22,7 +22,8 @@ import numpy as np
 
 from pipeline.policy.cost import FORMAT_DOC, CostProfile, _affine, fit_affine
 
-LOAD_DOC = """| `load_seconds` | version 3: seconds spent timing the load grid (part of `wall_seconds`) |
+LOAD_DOC = """| `load_skipped` | version 3, instead of `load`: why the pair has no load grid (the batched engine refuses it) |
+| `load_seconds` | version 3: seconds spent timing the load grid (part of `wall_seconds`) |
 | `concurrency` | version 3: the c grid, 1 first (`profile.concurrency`) |
 | `load` | version 3: `{c: {seconds, measured, fit, raw}}` for each c > 1, timed on the batched engine with c streams at one b (steady steps, the first of each stream left out): `seconds` `{b: seconds per batched step}` of the model (fit for b >= 2, measured at b = 1), `measured` `{b: {draft, verify, total}}` medians over rounds, mean over contexts, `fit` `{draft, verify: {intercept, slope}}` affine in the per-stream b, `raw` `{b, context, round, steps, draft_seconds, verify_seconds}` per timed run |
 """

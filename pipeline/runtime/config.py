@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 # The value checks and the closed sets of values live in pipeline.runtime.checks; re-exported here, where every
 # caller imports them from.
 from pipeline.runtime.checks import (DTYPES, LABEL_KINDS, LABEL_MODES, LOGITS_PRECISIONS, OBJECTIVES,  # noqa: F401
-                                     POLICY_MODELS, SOURCE_KINDS, ConfigError, _get, validate)
+                                     POLICY_MODELS, SOURCE_KINDS, ConfigError, _choices, _get, validate)
 
 # The checkout's root (tests use it for tests/data); meaningless in an installed package.
 REPO_ROOT = Path(__file__).resolve().parents[2]

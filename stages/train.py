@@ -120,7 +120,8 @@ def train_loop(config: Dict[str, Any]) -> None:
 def ridge_loop(config: Dict[str, Any], rank: int) -> None:
     """The ridge fit (pipeline.training.ridge) on a Ray Train worker: every worker sees every train and calibration
     row (the closed form needs them all) and fits the same model; one report, as "epoch 0", with its checkpoint.
-    A rerun after that checkpoint fits nothing."""
+    A rerun after that checkpoint fits nothing. ``train.cache_max_gb`` bounds the fit's memory
+    (pipeline.training.ridge.check_memory; the driver checks it before Ray starts)."""
     import ray.train
     import torch
 
@@ -144,12 +145,12 @@ def ridge_loop(config: Dict[str, Any], rank: int) -> None:
     sp = config["speed"]
     (xt, tt), (xc, tc) = gather("train"), gather("calib")
     fitted, info = fit_ridge(np.concatenate([xt, xc]), np.concatenate([tt, tc]), config["costs"],
-                             sp["fallback_index"], sp["scale"])
+                             sp["fallback_index"], sp["scale"], max_gb=config["train"]["cache_max_gb"])
     model.load_state_dict(fitted.state_dict())
     # The margin rides with the metrics into the checkpoint's history: the export reads it there (the fit saw the
     # calibration rows, so the driver cannot calibrate on them again).
     metrics = {"epoch": 0, "train_loss": info["train_loss"], "ridge_alpha": info["alpha"],
-               "ridge_calibration": info["calibration"], **validate(model, SplitData(
+               "ridge_ratio": info["ratio"], "ridge_calibration": info["calibration"], **validate(model, SplitData(
                    ray.train.get_dataset_shard("val"), config, shuffle=False), 0, config)}
     history.append(metrics)
     checkpointer.save_and_report(model, None, 0, metrics, history)
@@ -197,8 +198,9 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
             out["tau"] = with_rule_tau(np.stack(out["tau"]), out["prompt_id"], rule_tau)
         return out
 
-    # The ridge fit also reads the calibration rows: its penalty and margin come from leave-one-out predictions over
-    # train + calibration (the MLP's margin is calibrated on the driver, on the calibration rows).
+    # The ridge fit also reads the calibration rows: its penalty comes from leave-one-out predictions over train +
+    # calibration, its margin from out-of-fold ones (the MLP's margin is calibrated on the driver, on the
+    # calibration rows).
     splits = ("train", "val", "calib") if cfg.train.model == "ridge" else ("train", "val")
     return {split: ds.map_batches(keep, fn_kwargs={"split": split, "rule_tau": problem.rule_tau},
                                   batch_format="numpy") for split in splits}
@@ -279,6 +281,11 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     folder.bind(fp, cfg.force)
     folder.start(cfg)
     problem = load_problem(cfg.train, labels_dir)
+    if cfg.train.model == "ridge":  # before Ray starts: a fit that cannot fit train.cache_max_gb fails here
+        from pipeline.training.ridge import check_memory
+
+        check_memory(int((problem.splits.train | problem.splits.calib).sum()), problem.vocab_size,
+                     cfg.train.cache_max_gb)
     init_ray(cfg.ray)
     trainer, use_gpu = _trainer(cfg, problem, labels_dir, train_dir)
     _log_start(cfg, problem, use_gpu)

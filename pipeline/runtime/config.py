@@ -203,7 +203,8 @@ class TrainConfig:
     # One label set serves any deployment: give the serving machine's profile here.
     cost_profile: Optional[str] = None
     # Share of the label set (by prompt-id hash, disjoint from train and val) the MLP's fallback margin is calibrated
-    # on; the ridge policy fits on train + calibration and chooses its penalty and margin by leave-one-out.
+    # on; the ridge policy fits on train + calibration, chooses its penalty by leave-one-out and its margin on
+    # out-of-fold predictions (pipeline/training/ridge.py).
     calibration_fraction: float = 0.15
     # Ray Train report (with a checkpoint) every N epochs and at the last: a report is not free
     # (benchmarks/results/train-report-cost.md); a killed run loses at most N - 1 epochs.
@@ -216,7 +217,8 @@ class TrainConfig:
     max_failures: int = 2
     # Seed of the initialisation and the shuffles.
     seed: int = 0
-    # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size.
+    # Keep each worker's rows in memory across epochs when the whole label set (float32) is below this size; the
+    # ridge fit refuses to start when its own estimate (pipeline.training.ridge.peak_bytes) is above it.
     cache_max_gb: float = 4.0
 
 

@@ -53,7 +53,7 @@ def summary_lines(s: Dict[str, Any]) -> List[str]:
     if h.get("val"):
         cal = h["calibration"]
         margin = "none (always the fallback)" if cal["margin"] is None else f"{cal['margin']:.4f}"
-        rows = f"{cal['calibration_rows']} {'leave-one-out ' if cal.get('on') else ''}rows"
+        rows = f"{cal['calibration_rows']} {'out-of-fold ' if cal.get('on') else ''}rows"
         lines.append(f"fallback: the train-chosen b={s['fallback_block_size']}, margin {margin} (calibrated on "
                      f"{rows}: gain {cal['calibration_gain']:+.2%}, {cal['calibration_switched']} switched)")
         shares = ", ".join(f"{k} {v['gain']:+.2%}" + (f" ({v['oracle_gain_captured']:.0%})"

@@ -3,10 +3,11 @@
 :func:`measure_profile` times both parts separately at every b in 1..2B, at a few context lengths, on the engine's
 own device and dtype: a warm-up decode per (b, context), then rounds of timed decodes (every b once per round, in
 a shuffled order, so that load that comes and goes on a shared machine hits every b alike) until the median per-step
-cost of every b moves by less than ``rel_tol`` from one round to the next (or ``max_repeats`` rounds). Each timed
-decode runs at least ``steps`` verify steps (``max_new_tokens = steps * b + 1``, stop tokens off), since a probe of
-a few tokens measures one or two steps and is noise (the old start-up probe: 8 tokens at tau ~4 = 2 steps); b = 1
-runs 4x as many (``ar_steps``), since its cheap steps warm up over the first several of a decode, 4 times a round.
+cost of every b at every context length moves by less than ``rel_tol`` from one round to the next
+(:func:`round_stability`; or ``max_repeats`` rounds). Each timed decode runs at least ``steps`` verify steps
+(``max_new_tokens = steps * b + 1``, stop tokens off), since a probe of a few tokens measures one or two steps and is
+noise (the old start-up probe: 8 tokens at tau ~4 = 2 steps); b = 1 runs 4x as many (``ar_steps``), since its
+cheap steps warm up over the first several of a decode, 4 times a round.
 
 It then fits a smooth model, affine in b per component over b >= 2 (``draft(b) = a + c b``, ``verify(b) = a + c
 b``; b = 1 is autoregressive decoding, no draft, and keeps its measured value), and KEEPS the raw points, so a
@@ -260,17 +261,13 @@ def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
                 r = timed(b, ctx, rule)[0]
             if rule is None:  # the warm-up's own acceptance sets the token budget of this (b, context)
                 budget[(b, ctx)] = max(2, int(sum(r.committed[:n_steps(b)])) + 1)
-        previous: Optional[Dict[int, float]] = None
         for rounds in range(1, max_repeats + 1):
             for i in rng.permutation(len(grid)):
                 raw.append({**timed(*grid[i])[1], "round": rounds})
-            # Stable when the model (the fit, which pools every b) moves by less than rel_tol in one round.
-            now = _fit(block_sizes, raw, list(states))[0]
-            if rounds >= min_repeats and previous is not None:
-                stable = all(abs(now[b] - previous[b]) <= rel_tol * now[b] for b in now)
+            if rounds >= min_repeats:
+                stable = round_stability(raw, rel_tol)["stable"]
                 if stable:
                     break
-            previous = now
     finally:
         engine.stop_token_ids = saved
 
@@ -284,6 +281,36 @@ def measure_profile(engine, block_sizes: Sequence[int], vocab_size: int,
             "rounds": rounds, "stable": bool(stable), "wall_seconds": round(time.perf_counter() - t_start, 2),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return CostProfile(seconds, measured, spread, fit, raw, info)
+
+
+def round_stability(raw: List[Dict[str, Any]], rel_tol: float) -> Dict[str, Any]:
+    """Whether the last round moved no (b, context)'s median per-step seconds by more than ``rel_tol`` (relative to
+    the new median): per (b, context), the median of the plain points' steady draft + verify seconds over every
+    round so far against the same median without the last round. From the raw points and per (b, context), not from
+    the fit: the affine fit pools every b, so one b drifting moves it by a fraction of that b's own move and passes.
+    {"stable", "worst": {b, context, move} or None}; not stable before two rounds."""
+    plain = [p for p in raw if not p.get("rule")]
+    last = max((int(p["round"]) for p in plain), default=0)
+    worst: Optional[Dict[str, Any]] = None
+    if last < 2:
+        return {"stable": False, "worst": worst}
+    cells: Dict[tuple, List[tuple]] = {}
+    for p in plain:
+        s = steady(p)
+        cells.setdefault((int(p["b"]), int(p["context"])), []).append((int(p["round"]), s["draft"] + s["verify"]))
+    stable = True
+    for (b, ctx), pts in sorted(cells.items()):
+        before = [t for r, t in pts if r < last]
+        now = float(np.median([t for _, t in pts]))
+        if not before:  # a (b, context) new in the last round has not settled
+            move = float("inf")
+        else:
+            prev = float(np.median(before))
+            move = abs(now - prev) / now if now > 0 else (0.0 if prev == 0 else float("inf"))
+        stable &= move <= rel_tol
+        if worst is None or move > worst["move"]:
+            worst = {"b": b, "context": ctx, "move": move}
+    return {"stable": bool(stable), "worst": worst}
 
 
 def steady(p: Dict[str, Any]) -> Dict[str, float]:

@@ -4,7 +4,9 @@
     python -m pipeline.tiny.build --out /tmp/tiny --quick          # smoke run
     python -m pipeline.tiny.build --out DIR --kinds code           # the stdlib-only pair of before, exactly
 
-(Build times: benchmarks/results/tiny-build.md.)
+(Build times: benchmarks/results/tiny-build.md. The options: :mod:`pipeline.tiny.build_options`; the token
+streams of steps 2-3: :mod:`pipeline.tiny.build_streams`; steps 6 and 7: :mod:`pipeline.tiny.build_prompts` and
+:mod:`pipeline.tiny.build_measure`.)
 
 Steps (all seeded):
   1. corpus: the kinds of text of :mod:`pipeline.tiny.corpus` (code: the stdlib sources; docs: python3-doc;
@@ -30,7 +32,6 @@ Steps (all seeded):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -40,10 +41,14 @@ import torch
 
 from pipeline.tiny import corpus as tcorpus
 from pipeline.tiny import data as tdata
-from pipeline.tiny import prompts as tprompts
+from pipeline.tiny.build_measure import measure_by_kind
+from pipeline.tiny.build_options import parse_args
+from pipeline.tiny.build_prompts import write_prompt_sets
+from pipeline.tiny.build_streams import encode_docs, mixed_val_ids
 from pipeline.tiny.cards import n_params, write_cards
 from pipeline.tiny.configs import make_draft_config, make_target_config
 from pipeline.tiny.draft_training import make_draft_data, train_draft
+from pipeline.tiny.provenance import provenance
 from pipeline.tiny.tokenizer import (
     ASSISTANT,
     BASE_SPECIALS,
@@ -56,150 +61,6 @@ from pipeline.tiny.tokenizer import (
     train_tokenizer,
 )
 from pipeline.tiny.training import eval_lm, log, seed_all, train_target
-
-
-def write_prompts(heldout_files, hf_tok, out_dir: Path, n: int, seed: int) -> list[dict]:
-    count = lambda s: len(hf_tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    prompts = tdata.cut_prompts(heldout_files, count, n=n, seed=seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "stdlib-heldout.jsonl", "w", encoding="utf-8") as f:
-        for p in prompts:
-            f.write(json.dumps({"id": p["id"], "text": p["text"]}, ensure_ascii=False) + "\n")
-    return prompts
-
-
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.tiny.build",
-        description="Build the embedded tiny target + DFlash draft pair and bundled prompts.",
-    )
-    ap.add_argument("--out", type=Path, default=Path("pipeline/assets"), help="asset root")
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny step counts (~2 min)")
-    ap.add_argument(
-        "--kinds",
-        default=None,
-        help="comma-separated kinds of text, of " + ",".join(tcorpus.KIND_ORDER) + " (default: every kind whose "
-        "source is installed; a missing one is skipped with the apt package to install). `--kinds code` is the "
-        "stdlib-only build of before",
-    )
-    ap.add_argument(
-        "--weights",
-        default=None,
-        help="shares of the training stream's characters, e.g. code=0.3,docs=0.25 (default "
-        + ",".join(f"{k}={v}" for k, v in tcorpus.DEFAULT_WEIGHTS.items())
-        + "; normalised over the kinds built)",
-    )
-    ap.add_argument(
-        "--mix-chars", type=int, default=28_000_000,
-        help="characters of the mixed training stream (about 7.5M tokens; the target sees ~7.4M)",
-    )
-    ap.add_argument(
-        "--chat-frac", type=float, default=0.2,
-        help="with a dialogue kind: share of each other kind's characters given as chat-formatted "
-        "continuations (<|user|>prefix<|assistant|>rest), what chat-templated prompts of that kind look like",
-    )
-    ap.add_argument(
-        "--draft-chat-frac", type=float, default=0.5,
-        help="with a dialogue kind: share of the draft's generation prompts that end at <|assistant|>",
-    )
-    ap.add_argument("--maths-problems", type=int, default=40_000, help="generated maths problems (ids 0..N-1)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=192)
-    ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--target-layers", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--target-batch", type=int, default=32)
-    ap.add_argument("--target-steps", type=int, default=900)
-    ap.add_argument(
-        "--target-minutes", type=float, default=12.0, help="wall-time cap for target training"
-    )
-    ap.add_argument("--target-lr", type=float, default=2e-3)
-    ap.add_argument("--val-windows", type=int, default=128)
-    ap.add_argument("--gen-groups", type=int, default=64, help="generation batches")
-    ap.add_argument("--gen-batch", type=int, default=64, help="sequences per generation batch")
-    ap.add_argument("--gen-prompt-min", type=int, default=32)
-    ap.add_argument("--gen-prompt-max", type=int, default=256)
-    ap.add_argument("--gen-new", type=int, default=160, help="generated tokens per sequence")
-    ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--draft-intermediate", type=int, default=512)
-    ap.add_argument(
-        "--target-layer-ids", type=str, default="1,2,3", help="target layers feeding the draft"
-    )
-    ap.add_argument("--draft-steps", type=int, default=2500)
-    ap.add_argument(
-        "--draft-minutes", type=float, default=10.0, help="wall-time cap for draft training"
-    )
-    ap.add_argument("--draft-batch", type=int, default=16)
-    ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
-    ap.add_argument("--draft-lr", type=float, default=6e-4)
-    ap.add_argument("--gamma", type=float, default=3.5, help="loss decay (7 for B=16 -> 3.5)")
-    ap.add_argument(
-        "--n-prompts", type=int, default=1000, help="prompts per kind (split ~90/10 into label / eval)"
-    )
-    ap.add_argument("--n-stdlib-prompts", type=int, default=2000, help="stdlib-heldout prompts")
-    ap.add_argument(
-        "--eval-prompts", type=int, default=16, help="eval prompts PER KIND for the tau and loss tables"
-    )
-    ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument(
-        "--reuse-target",
-        type=Path,
-        default=None,
-        help="take the target from this directory (an earlier build) instead of training it",
-    )
-    ap.add_argument(
-        "--skip-prompts", action="store_true", help="do not (re)write assets/prompts"
-    )
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.target_steps = 30
-        args.target_batch = 8
-        args.val_windows = 16
-        args.gen_groups = 2
-        args.gen_batch = 16
-        args.gen_new = 48
-        args.draft_steps = 30
-        args.draft_batch = 8
-        args.n_prompts = 200
-        args.n_stdlib_prompts = 200
-        args.eval_prompts = 2
-        args.log_every = 10
-        args.mix_chars = min(args.mix_chars, 3_000_000)
-        args.maths_problems = min(args.maths_problems, 4_000)
-    return args
-
-
-def encode_docs(tok, docs, eos_id: int) -> tuple[torch.Tensor, dict[str, int]]:
-    """The documents' ids joined by eos (as tokenizer.encode_files), and the tokens of each kind."""
-    ids: list[int] = []
-    per_kind: dict[str, int] = {}
-    for d, enc in zip(docs, tok.encode_batch([d.text for d in docs], add_special_tokens=False)):
-        ids.extend(enc.ids)
-        ids.append(eos_id)
-        kind = getattr(d, "kind", "code")
-        per_kind[kind] = per_kind.get(kind, 0) + len(enc.ids) + 1
-    return torch.tensor(ids, dtype=torch.long), per_kind
-
-
-def mixed_val_ids(val_by_kind: dict[str, torch.Tensor], weights: dict[str, float], seq: int, n_windows: int):
-    """The held-out stream that training logs its val loss on: eval_lm reads consecutive windows from the start,
-    so each kind contributes round(weight * n_windows) windows' worth of its own held-out tokens, in kind order."""
-    parts = []
-    for k, ids in val_by_kind.items():
-        n = max(1, round(weights[k] * n_windows)) * seq
-        parts.append(ids[:n])
-    return torch.cat(parts + [parts[-1][:1]])
-
-
-def format_for_target(hf_tok, text: str, chat: bool) -> str:
-    """A prompt as the pipeline's prepare gives it to the target (one user turn through the chat template)."""
-    if not chat:
-        return text
-    return hf_tok.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
 
 
 def main(argv=None) -> int:
@@ -307,23 +168,8 @@ def main(argv=None) -> int:
 
     prompt_sets: dict = {}
     if not args.skip_prompts:
-        count = lambda s: len(hf_tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-        pdir = out / "prompts"
-        for k in kinds:
-            spec = tcorpus.KINDS[k]
-            if k == "code":
-                stdlib = write_prompts(held_by[k], hf_tok, pdir, args.n_stdlib_prompts, args.seed)
-                log(f"prompts: {len(stdlib)} stdlib-heldout prompts")
-                cut = stdlib[: args.n_prompts]
-            else:
-                cut = tprompts.cut_kind_prompts(spec, held_by[k], count, args.n_prompts, args.seed)
-            info = tprompts.write_kind_sets(pdir, k, cut)
-            info.update({"source": spec.source, "licence": tcorpus.provenance(spec)["licence"]})
-            prompt_sets[k] = info
-            log(f"prompts {k}: {info['label']} label + {info['eval']} eval ({info['mean_tokens']} tokens mean)")
-        (pdir / "prompt_sets.json").write_text(json.dumps(
-            {"split": "eval iff int(sha256(id)[:8], 16) % 10 == 0 (pipeline.data.sources.bundled_split)",
-             "chat_template": "roles" if dialogue else "raw", "kinds": prompt_sets}, indent=1) + "\n")
+        prompt_sets = write_prompt_sets(out / "prompts", kinds, held_by, hf_tok, dialogue, args.n_prompts,
+                                        args.n_stdlib_prompts, args.seed)
 
     # Reload exactly as users will, then measure.
     from dflash.model import DFlashDraftModel
@@ -332,61 +178,15 @@ def main(argv=None) -> int:
     rt = AutoTokenizer.from_pretrained(out / "tiny-target")
     rtarget = AutoModelForCausalLM.from_pretrained(out / "tiny-target", dtype=torch.float32).eval()
     rdraft = DFlashDraftModel.from_pretrained(out / "tiny-draft", dtype=torch.float32).eval()
-    report_md = None
-    measure_desc = None
-    kinds_md = None
+    report_md, kinds_md, measure_desc = None, None, None
     if args.eval_prompts > 0:
-        from pipeline.tiny.measure import format_kinds, kind_line, measure_kinds, merge_reports
-
-        by_kind = {}
-        for k in kinds:
-            path = out / "prompts" / f"{k}-eval.jsonl"
-            if not path.exists():
-                log(f"measurement: no {path}, kind {k} not measured")
-                continue
-            texts = [p["text"] for p in tprompts.read_jsonl(path)][: args.eval_prompts]
-            by_kind[k] = [
-                rt(format_for_target(rt, t, dialogue), return_tensors="pt", add_special_tokens=False)["input_ids"]
-                for t in texts
-            ]
-        reps = measure_kinds(rtarget, rdraft, by_kind, max_new_tokens=128, stop_token_ids=[eos_id], log=log)
-        if reps:
-            rep = merge_reports(list(reps.values()))
-            report_md = rep.format()
-            kinds_md = format_kinds(reps, kind_loss)
-            measure_desc = (
-                f"The first {args.eval_prompts} prompts of each kind's held-out eval set "
-                f"(`prompts/<kind>-eval.jsonl`; {', '.join(f'{k} {len(v)}' for k, v in by_kind.items())}), "
-                + ("each as one user turn through the chat template with the generation prompt (what the "
-                   "pipeline's prepare does), " if dialogue else "")
-                + "T = 0, max_new_tokens 128, stop at `<|endoftext|>`, float32 on CPU, "
-                "`dflash.model.dflash_generate`; tau = mean tokens committed per verify step (bonus included). "
-                "The first table pools every kind's prompts."
-            )
-            log("measurement (all kinds):\n" + report_md)
-            log("measurement per kind:\n" + kinds_md)
-            for k, r in reps.items():
-                log(kind_line(k, r, kind_loss.get(k)))
-            history["measure"] = {
-                "mean_tau": {b: round(rep.mean_tau(b), 4) for b in rep.block_sizes},
-                "argmax_share": {b: round(s, 4) for b, s in rep.argmax_share().items()},
-                "lossless": rep.all_lossless(),
-                "per_kind": {
-                    k: {
-                        "prompts": len(r.tau[r.block_sizes[0]]),
-                        "heldout_loss": round(kind_loss[k], 4),
-                        "mean_tau": {b: round(r.mean_tau(b), 4) for b in r.block_sizes},
-                        "argmax_share": {b: round(s, 4) for b, s in r.argmax_share().items()},
-                        "lossless": r.all_lossless(),
-                        "mean_new_tokens": round(sum(r.new_tokens) / max(1, len(r.new_tokens)), 1),
-                    }
-                    for k, r in reps.items()
-                },
-            }
+        report_md, kinds_md, measure_desc = measure_by_kind(
+            rt, rtarget, rdraft, out / "prompts", kinds, args.eval_prompts, dialogue, eos_id, kind_loss, history
+        )
 
     kind_meta = {}
     for k in kinds:
-        prov = tcorpus.provenance(tcorpus.KINDS[k])
+        prov = provenance(tcorpus.KINDS[k])
         kind_meta[k] = {
             **prov,
             "weight": round(weights[k], 4),

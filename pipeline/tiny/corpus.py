@@ -1,5 +1,6 @@
-"""The tiny pair's multi-domain corpus: the kinds of text, their readers, their provenance, the hash split and the
-weighted mix of the training stream.
+"""The tiny pair's multi-domain corpus: the kinds of text (``KINDS``), loading them, the hash split and the weighted
+mix of the training stream. The kinds' readers are in :mod:`pipeline.tiny.readers`, :class:`Doc`, :class:`KindSpec`
+and the split rule in :mod:`pipeline.tiny.kinds`, their provenance in :mod:`pipeline.tiny.provenance`.
 
 Kinds (``KINDS``; each a :class:`KindSpec`):
 
@@ -21,11 +22,11 @@ maths     dialogue: generated arithmetic word problems    generated (``maths.py`
 ========  =============================================  ==========================  ===========================
 
 A kind whose package is missing raises :class:`KindUnavailable`, whose message names the apt package; the builder
-skips it with that message (or stops, if the kind was asked for by name).
+skips it with that message (or stops, if the kind was asked for by name: :func:`load_kinds`).
 
-Split: a document is held out iff ``int(sha1(key)[:8], 16) % 100 < heldout_percent`` of its kind, with key =
-``<kind>/<id>`` (``code`` keeps its historical key, the bare relative path, so ``--kinds code`` rebuilds the
-stdlib-only pair exactly). Held-out documents give the held-out loss and the bundled prompts only.
+Split (:func:`split_docs`): a document is held out iff ``int(sha1(key)[:8], 16) % 100 < heldout_percent`` of its
+kind (:meth:`KindSpec.is_heldout`, which says which key). Held-out documents give the held-out loss and the bundled
+prompts only.
 
 Mix (:func:`mix_documents`): the training stream is documents joined by ``<|endoftext|>``; with more than one kind,
 kind k gets ``weight_k / sum(weights)`` of ``total_chars`` characters. Its documents are taken in a seeded order,
@@ -37,20 +38,20 @@ once, in id order (what the stdlib-only build always did).
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import html.parser
 import random
-import re
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from pipeline.tiny import data as tdata
-from pipeline.tiny import maths
+from pipeline.tiny.kinds import Doc, KindSpec, KindUnavailable
+from pipeline.tiny.readers import (
+    BIBLE_SPEC,
+    FORTUNES_DIR,
+    read_bible,
+    read_code,
+    read_docs,
+    read_fortunes,
+    read_maths,
+)
 from pipeline.tiny.tokenizer import render_chat
 
 KIND_ORDER = ("code", "docs", "bible", "fortunes", "maths")
@@ -61,255 +62,6 @@ KIND_ORDER = ("code", "docs", "bible", "fortunes", "maths")
 # quarter. At the default 28M characters (20 % of each text kind as chat continuations) every kind is read at most
 # about once: code 0.78 passes, docs 0.53, bible 0.84, fortunes 0.97, maths 0.67 of 38k problems.
 DEFAULT_WEIGHTS = {"code": 0.30, "docs": 0.25, "bible": 0.15, "fortunes": 0.10, "maths": 0.20}
-FORTUNE_CHUNK = 8  # fortune items per document
-BIBLE_SPEC = "Gen1:1-Rev22:21"
-
-
-class KindUnavailable(RuntimeError):
-    """A kind's source is not installed; the message names the Debian package that provides it."""
-
-    def __init__(self, kind: str, packages: tuple[str, ...], detail: str):
-        self.kind, self.packages, self.detail = kind, packages, detail
-        pk = " ".join(packages)
-        super().__init__(
-            f"kind {kind!r} unavailable: {detail}; it needs the Debian package{'s' if len(packages) > 1 else ''} "
-            f"{', '.join(packages)} (as root: apt-get install -y --no-install-recommends {pk})"
-        )
-
-
-@dataclass(frozen=True)
-class Doc:
-    """One split unit of a kind. ``turns`` (dialogue kinds) are the chat turns ``text`` renders."""
-
-    kind: str
-    id: str
-    text: str
-    turns: tuple = ()
-
-    @property
-    def relpath(self) -> str:  # what data.cut_prompts names a prompt's document by
-        return self.id
-
-
-@dataclass(frozen=True)
-class KindSpec:
-    name: str
-    text: str  # what kind of text, in words
-    source: str  # where it comes from, in words
-    packages: tuple[str, ...]  # Debian packages that provide it (empty: none needed)
-    copyright_file: str | None  # where its licence is read from
-    licence: str  # the licence, as the copyright file states it
-    licence_evidence: str | None  # a phrase of the copyright file that states it (checked at build time)
-    heldout_percent: int
-    prompt_prefix: str  # prompt ids: "<prefix>/<doc id>#L<a>-L<b>" (maths: "<prefix>/<id>")
-    dialogue: bool = False
-    reader: Callable[[], list[Doc]] | None = field(default=None, compare=False)
-
-    def split_key(self, doc_id: str) -> str:
-        return doc_id if self.name == "code" else f"{self.name}/{doc_id}"
-
-    def is_heldout(self, doc_id: str) -> bool:
-        digest = hashlib.sha1(self.split_key(doc_id).encode("utf-8")).hexdigest()
-        return int(digest[:8], 16) % 100 < self.heldout_percent
-
-
-# ---- readers -----------------------------------------------------------------------------------------------------
-
-
-def read_code(root: Path | None = None) -> list[Doc]:
-    return [Doc("code", f.relpath, f.text) for f in tdata.collect_sources(root)]
-
-
-def python_doc_root() -> Path | None:
-    """The HTML folder python3-doc installs (``/usr/share/doc/python3-doc/html`` -> ``../python3.X/html``)."""
-    for cand in ["/usr/share/doc/python3-doc/html", *sorted(glob.glob("/usr/share/doc/python3*/html"))]:
-        p = Path(cand)
-        if p.is_dir():
-            return p.resolve()
-    return None
-
-
-class _HTMLText(html.parser.HTMLParser):
-    """The visible text of a Sphinx page's main body (scripts, styles, sidebars dropped; <pre> kept verbatim)."""
-
-    SKIP = {"script", "style", "head", "nav"}
-    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
-    BLOCK = {"p", "div", "section", "h1", "h2", "h3", "h4", "h5", "h6", "li", "dt", "dd", "tr", "br", "pre",
-             "table", "ul", "ol", "dl", "blockquote"}
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.out: list[str] = []
-        self.stack: list[tuple[str, bool, bool]] = []  # (tag, skipped, main body)
-
-    def _state(self) -> tuple[bool, bool, bool]:
-        skip = any(s for _, s, _ in self.stack)
-        body = any(b for _, _, b in self.stack)
-        pre = any(t == "pre" for t, _, _ in self.stack)
-        return skip, body, pre
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag in self.BLOCK:
-            self.out.append("\n")
-        if tag in self.VOID:
-            return
-        skipped = tag in self.SKIP or (tag == "div" and "sphinxsidebar" in (a.get("class") or ""))
-        self.stack.append((tag, skipped, tag == "div" and a.get("role") == "main"))
-
-    def handle_endtag(self, tag):
-        if tag in self.BLOCK:
-            self.out.append("\n")
-        for i in range(len(self.stack) - 1, -1, -1):
-            if self.stack[i][0] == tag:
-                del self.stack[i:]
-                break
-
-    def handle_data(self, data):
-        skip, body, pre = self._state()
-        if skip or not body:
-            return
-        self.out.append(data if pre else re.sub(r"\s+", " ", data))
-
-    def text(self) -> str:
-        lines = [ln.rstrip() for ln in "".join(self.out).splitlines()]
-        return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
-
-
-def html_to_text(page: str) -> str:
-    p = _HTMLText()
-    p.feed(page)
-    p.close()
-    return p.text()
-
-
-def read_docs(root: Path | None = None) -> list[Doc]:
-    """The Python documentation: the reST sources (``_sources/**/*.rst.txt``) where shipped, else the HTML pages
-    with the markup stripped (stdlib ``html.parser``)."""
-    root = python_doc_root() if root is None else Path(root)
-    if root is None or not root.is_dir():
-        raise KindUnavailable("docs", ("python3-doc",), "no /usr/share/doc/python3*/html folder")
-    src = root / "_sources"
-    docs = []
-    if src.is_dir():
-        for path in sorted(src.rglob("*.rst.txt")):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip() and len(text) <= tdata.MAX_FILE_BYTES:
-                docs.append(Doc("docs", path.relative_to(src).as_posix()[: -len(".txt")], text))
-    else:
-        for path in sorted(root.rglob("*.html")):
-            rel = path.relative_to(root).as_posix()
-            if rel.startswith("_") or rel in ("genindex.html", "search.html", "py-modindex.html") or \
-                    rel.startswith("genindex-"):
-                continue
-            text = html_to_text(path.read_text(encoding="utf-8", errors="replace"))
-            if text.strip() and len(text) <= tdata.MAX_FILE_BYTES:
-                docs.append(Doc("docs", rel, text))
-    if not docs:
-        raise KindUnavailable("docs", ("python3-doc",), f"no documentation pages under {root}")
-    return docs
-
-
-_BIBLE_HEAD = re.compile(r"^(\S.*\S) (\d+)$")
-_BIBLE_VERSE = re.compile(r"^\s+(\d+) (.*)$")
-
-
-def parse_bible(raw: str) -> list[Doc]:
-    """``bible -l2000 Gen1:1-Rev22:21`` output -> one document per chapter: the heading, a blank line, then one
-    verse per line (``<n> <text>``)."""
-    docs, head, verses = [], None, []
-
-    def flush():
-        if head is not None and verses:
-            docs.append(Doc("bible", head, head + "\n\n" + "\n".join(verses) + "\n"))
-
-    for line in raw.splitlines():
-        if not line.strip():
-            continue
-        m = _BIBLE_VERSE.match(line)
-        if m and head is not None:
-            verses.append(f"{m.group(1)} {m.group(2).strip()}")
-            continue
-        if _BIBLE_HEAD.match(line.strip()):
-            flush()
-            head, verses = line.strip(), []
-        elif verses:  # a wrapped verse line (not with -l2000, but be safe)
-            verses[-1] += " " + line.strip()
-    flush()
-    return docs
-
-
-def read_bible() -> list[Doc]:
-    exe = shutil.which("bible")
-    if exe is None:
-        have_text = Path("/usr/lib/bible.data").exists()
-        raise KindUnavailable(
-            "bible", ("bible-kjv",) if have_text else ("bible-kjv", "bible-kjv-text"),
-            "the `bible` program (which decodes bible-kjv-text's compressed /usr/lib/bible.data) is not installed",
-        )
-    res = subprocess.run([exe, "-l2000", BIBLE_SPEC], capture_output=True, text=True, encoding="utf-8",
-                         errors="replace", timeout=120, stdin=subprocess.DEVNULL, check=False)
-    docs = parse_bible(res.stdout)
-    if res.returncode != 0 or len(docs) < 1000:
-        raise KindUnavailable("bible", ("bible-kjv", "bible-kjv-text"),
-                              f"`bible {BIBLE_SPEC}` gave {len(docs)} chapters (rc {res.returncode}: "
-                              f"{res.stderr.strip()[:200]})")
-    return docs
-
-
-FORTUNES_DIR = Path("/usr/share/games/fortunes")
-FORTUNES_EXCLUDED = frozenset({"ascii-art"})  # drawings, not text
-
-
-def split_fortunes(raw: str) -> list[str]:
-    """A cookie file's items: the text between lines that are exactly ``%``."""
-    items, cur = [], []
-    for line in raw.splitlines():
-        if line == "%":
-            if "".join(cur).strip():
-                items.append("\n".join(cur).strip("\n"))
-            cur = []
-        else:
-            cur.append(line.rstrip())
-    if "".join(cur).strip():
-        items.append("\n".join(cur).strip("\n"))
-    return items
-
-
-def read_fortunes(root: Path | None = None) -> list[Doc]:
-    """One document per FORTUNE_CHUNK consecutive items of a cookie file, in the file's own format (items separated
-    by ``%`` lines); id ``<file>/<chunk index>``."""
-    root = FORTUNES_DIR if root is None else Path(root)
-    if not root.is_dir():
-        raise KindUnavailable("fortunes", ("fortunes",), f"no {root} folder")
-    docs = []
-    for path in sorted(root.iterdir()):
-        if path.is_symlink() or not path.is_file() or path.suffix in (".dat", ".u8") or path.name.startswith("."):
-            continue
-        if path.name in FORTUNES_EXCLUDED:
-            continue
-        items = split_fortunes(path.read_text(encoding="utf-8", errors="replace"))
-        for ci in range(0, len(items), FORTUNE_CHUNK):
-            chunk = items[ci: ci + FORTUNE_CHUNK]
-            docs.append(Doc("fortunes", f"{path.name}/{ci // FORTUNE_CHUNK:04d}", "\n%\n".join(chunk) + "\n"))
-    if not docs:
-        raise KindUnavailable("fortunes", ("fortunes",), f"no cookie files in {root}")
-    return docs
-
-
-def read_maths(n: int = 40_000, seed: int = 0) -> list[Doc]:
-    """Problems 0 .. n-1 (generated; nothing to install)."""
-    docs = []
-    for i in range(n):
-        turns = maths.problem(i, seed)
-        docs.append(Doc("maths", maths.problem_id(i), render_chat(turns), tuple(
-            (t["role"], t["content"]) for t in turns)))
-    return docs
-
-
-def doc_turns(doc: Doc) -> list[dict]:
-    return [{"role": r, "content": c} for r, c in doc.turns]
-
 
 PY_LICENCE_EVIDENCE = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
 KINDS: dict[str, KindSpec] = {
@@ -340,56 +92,6 @@ KINDS: dict[str, KindSpec] = {
         "generated by pipeline/tiny/maths.py (seeded, deterministic; no third-party text)", (), None,
         "generated by this repository (no third-party text)", None, 5, "maths", dialogue=True, reader=read_maths),
 }
-
-
-# ---- provenance --------------------------------------------------------------------------------------------------
-
-
-def dpkg_version(package: str) -> str | None:
-    exe = shutil.which("dpkg-query")
-    if exe is None:
-        return None
-    res = subprocess.run([exe, "-W", "-f=${Status}\t${Version}", package], capture_output=True, text=True,
-                         check=False)
-    if res.returncode != 0 or "\t" not in res.stdout:
-        return None
-    status, version = res.stdout.split("\t", 1)
-    return version.strip() if status.strip().endswith("installed") and "not-installed" not in status else None
-
-
-def provenance(spec: KindSpec) -> dict:
-    """Source, packages with versions (dpkg-query), the licence and where it was read (with the evidence)."""
-    packages = [{"name": p, "version": dpkg_version(p)} for p in spec.packages]
-    if spec.name == "docs":  # python3-doc is a metapackage; python3.X-doc ships the files
-        for name in sorted({m.group(0) for m in re.finditer(r"python3\.\d+-doc", _dpkg_depends("python3-doc"))}):
-            packages.append({"name": name, "version": dpkg_version(name)})
-    copyright_file = spec.copyright_file
-    if spec.name == "code":
-        copyright_file = str(tdata.stdlib_root() / "LICENSE.txt")
-        packages = [{"name": f"python{sys.version_info[0]}.{sys.version_info[1]} (the building interpreter, "
-                             f"{sys.base_prefix})", "version": ".".join(map(str, sys.version_info[:3]))}]
-    found = None
-    sha = None
-    if copyright_file and Path(copyright_file).is_file():
-        raw = Path(copyright_file).read_bytes()
-        sha = hashlib.sha256(raw).hexdigest()
-        found = spec.licence_evidence is not None and spec.licence_evidence in raw.decode("utf-8", "replace")
-    licence = spec.licence if (found or spec.licence_evidence is None) else \
-        f"UNVERIFIED ({spec.licence}; the evidence phrase was not found in {copyright_file})"
-    return {"kind": spec.name, "text": spec.text, "source": spec.source, "packages": packages,
-            "licence": licence, "copyright_file": copyright_file, "copyright_sha256": sha,
-            "licence_evidence": spec.licence_evidence, "licence_verified": bool(found)}
-
-
-def _dpkg_depends(package: str) -> str:
-    exe = shutil.which("dpkg-query")
-    if exe is None:
-        return ""
-    res = subprocess.run([exe, "-W", "-f=${Depends}", package], capture_output=True, text=True, check=False)
-    return res.stdout if res.returncode == 0 else ""
-
-
-# ---- loading, splitting, mixing ----------------------------------------------------------------------------------
 
 
 def parse_kinds(value: str | None) -> list[str] | None:
@@ -552,7 +254,6 @@ def char_counts(docs: list[Doc]) -> dict:
 
 
 __all__ = [
-    "DEFAULT_WEIGHTS", "KINDS", "KIND_ORDER", "Doc", "KindSpec", "KindUnavailable", "chat_continuations",
-    "char_counts", "load_kinds", "mix_documents", "parse_kinds", "parse_weights", "provenance", "read_bible",
-    "read_code", "read_docs", "read_fortunes", "read_maths", "split_docs", "take_chars",
+    "DEFAULT_WEIGHTS", "KINDS", "KIND_ORDER", "chat_continuations", "char_counts", "load_kinds", "mix_documents",
+    "parse_kinds", "parse_weights", "split_docs", "take_chars",
 ]

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from pipeline.tiny import data as tdata
-from pipeline.tiny.corpus import Doc, KindSpec
+from pipeline.tiny.kinds import Doc, KindSpec
 
 EVAL_MODULUS = 10
 

@@ -25,7 +25,7 @@ the draws are not batch-1's).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from dflash.model import (DFlash2DraftModel, _draft_value, _output_head, _raw_input_embeddings,
@@ -34,94 +34,8 @@ from dflash.model import (DFlash2DraftModel, _draft_value, _output_head, _raw_in
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from pipeline.decoding.engine import DecodeResult, Engine
+from pipeline.decoding.packed import RAGGED, Rows, SlotCache, TargetPass, attend, register
 from pipeline.policy.step_rules import draft_confidence
-
-RAGGED = "blockpilot_ragged"
-
-
-# ---- the packed layout and the slot caches --------------------------------------------------------------------------
-
-class Rows:
-    """One forward's packed layout: ``slots[r]`` and ``positions[r]`` (the absolute positions of row r's queries,
-    contiguous). ``token_slot`` / ``token_pos`` per packed token; ``cell`` maps every padded query cell
-    [rows * q_max] to its packed token (padding cells to token 0, never read back); ``real`` the cells that are
-    tokens; ``causal`` the mask of a causal row over its slot's first ``width`` keys."""
-
-    def __init__(self, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device):
-        self.n_rows, self.q_max = len(slots), max(lengths)
-        self.width = max(s + n for s, n in zip(starts, lengths))
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        self.slots, self.starts, self.lengths = t(slots), t(starts), t(lengths)
-        n = self.lengths
-        first = torch.cumsum(n, 0) - n
-        local = torch.arange(self.q_max, device=device)
-        valid = local[None] < n[:, None]  # [R, q_max]
-        self.real = valid.reshape(-1).nonzero()[:, 0]
-        self.cell = torch.where(valid, first[:, None] + local[None], 0).reshape(-1)
-        pos = self.starts[:, None] + local[None]  # [R, q_max]
-        self.token_pos = pos.reshape(-1)[self.real]
-        self.token_slot = self.slots[:, None].expand(-1, self.q_max).reshape(-1)[self.real]
-        keys = torch.arange(self.width, device=device)
-        # A padding cell sees key 0 only, so that softmax has a key; its output is never read.
-        self.causal = (keys[None, None] <= torch.where(valid, pos, 0)[:, :, None])[:, None]
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """packed [1, heads, Q, d] -> padded [rows, heads, q_max, d]."""
-        h, d = x.shape[1], x.shape[3]
-        return x[0].index_select(1, self.cell).view(h, self.n_rows, self.q_max, d).transpose(0, 1)
-
-    def scatter(self, y: torch.Tensor) -> torch.Tensor:
-        """padded [rows, heads, q_max, d] -> packed [1, Q, heads, d] (what transformers' attention returns)."""
-        h, d = y.shape[1], y.shape[3]
-        return y.transpose(1, 2).reshape(-1, h, d).index_select(0, self.real)[None]
-
-
-class SlotCache:
-    """Per layer keys/values [slots, kv_heads, width, head_dim], by absolute position."""
-
-    def __init__(self, n_layers: int, slots: int, kv_heads: int, width: int, head_dim: int, dtype, device):
-        self.k = [torch.zeros((slots, kv_heads, width, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros_like(k) for k in self.k]
-
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v packed [1, kv_heads, Q, d] at (slots[i], positions[i])."""
-        self.k[layer][slots, :, positions] = k[0].transpose(0, 1)
-        self.v[layer][slots, :, positions] = v[0].transpose(0, 1)
-
-    def rows(self, layer: int, slots: torch.Tensor, width: int):
-        return self.k[layer].index_select(0, slots)[:, :, :width], self.v[layer].index_select(0, slots)[:, :, :width]
-
-
-@dataclass
-class TargetPass:
-    """What the target's attention reads from the mask argument during one packed forward."""
-
-    rows: Rows
-    cache: SlotCache
-
-
-def _attend(q, k, v, mask, scaling):
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                                            enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention interface for a packed target forward: write this forward's keys into the slot cache,
-    then each row's queries attend causally to its slot."""
-    p: TargetPass = attention_mask
-    r = p.rows
-    p.cache.write(module.layer_idx, r.token_slot, r.token_pos, key, value)
-    k, v = p.cache.rows(module.layer_idx, r.slots, r.width)
-    return r.scatter(_attend(r.gather(query), k, v, r.causal, scaling)), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if RAGGED not in AttentionInterface._global_mapping:
-        AttentionInterface.register(RAGGED, _ragged_attention)
-        AttentionMaskInterface.register(RAGGED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # unused: the mask is ours
 
 
 def require_batchable(engine: Engine) -> None:
@@ -156,6 +70,7 @@ class BatchStep:
     draft_seconds: float
     verify_seconds: float
     at: float  # seconds since the run started, at the step's end
+    width: int = 0  # keys per row its attention read: the longest row's end (attention is padded to it per row)
 
 
 @dataclass
@@ -218,41 +133,48 @@ class BatchedEngine:
 
     def __init__(self, engine: Engine):
         require_batchable(engine)
-        _register()
+        register()
         self.engine, self.target, self.draft = engine, engine.target, engine.draft
         self.device = engine.device
         self.layers = list(self.draft.target_layer_ids)
         self.head = _output_head(self.target)
         self.embed_scale = float(_draft_value(self.draft.config, "input_embedding_scale", 1.0))
 
-    @torch.inference_mode()
     def run(self, prompts: Sequence, slots: int, max_new_tokens: int,
             choose: Callable[[int, torch.Tensor, torch.Tensor], Choice], temperature: float = 0.0,
             top_p: float = 1.0, top_k: int = 0) -> BatchRun:
         """Decode every prompt (token id lists or [1, n] tensors), ``slots`` at a time, in order; ``choose(i, logits
         [V], hidden [H])`` gives request i's (block size, rule) from its prefill. Requests are admitted, prefilled
         together, as slots free."""
+        return lockstep([self.start(prompts, slots, max_new_tokens, choose, temperature, top_p, top_k)], self.target)[0]
+
+    def run_lockstep(self, chooses: Sequence[Callable[[int, torch.Tensor, torch.Tensor], Choice]], prompts: Sequence,
+                     slots: int, max_new_tokens: int, **sampling) -> List[BatchRun]:
+        """One :meth:`run` per ``choose`` over the same prompts, driven in :func:`lockstep` (each on an engine of its
+        own, since the caches are per engine); their BatchRuns in order."""
+        return lockstep([BatchedEngine(self.engine).start(prompts, slots, max_new_tokens, ch, **sampling)
+                         for ch in chooses], self.target)
+
+    def start(self, prompts: Sequence, slots: int, max_new_tokens: int,
+              choose: Callable[[int, torch.Tensor, torch.Tensor], Choice], temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int = 0) -> Iterator[Optional[BatchRun]]:
+        """:meth:`run` one forward at a time, for :func:`lockstep`: a generator that yields None after each prefill or
+        step and the BatchRun last. Its clock stops while it is suspended, so a run's seconds are its own."""
         _validate_sampling(temperature, top_p, top_k)
         if slots < 1 or max_new_tokens < 1:
             raise ValueError(f"slots and max_new_tokens must be >= 1, got {slots}, {max_new_tokens}")
         prompts = [[int(t) for t in (p.reshape(-1).tolist() if isinstance(p, torch.Tensor) else p)] for p in prompts]
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        self.sampling = (temperature, top_p, top_k)
+        return self._loop(prompts, slots, max_new_tokens, choose, (temperature, top_p, top_k))
+
+    def _loop(self, prompts, slots: int, max_new_tokens: int, choose, sampling) -> Iterator[Optional[BatchRun]]:
+        self.sampling = sampling
         width = max(len(p) for p in prompts) + max_new_tokens + 1
         self.tcache = self._cache(self.target.config, slots, width)
         self.dcache = self._cache(self.draft.config, slots, width)
         self.stops = set(self.engine.stop_token_ids or [])
         run = BatchRun([], slots=slots)
-        saved = self.target.config._attn_implementation
-        self.target.set_attn_implementation(RAGGED)
-        try:
-            self._loop(run, prompts, slots, max_new_tokens, choose)
-        finally:
-            self.target.set_attn_implementation(saved)
-        return run
-
-    def _loop(self, run: BatchRun, prompts, slots: int, max_new_tokens: int, choose) -> None:
         self.t0 = self.engine.now()
         queue, active, free = list(range(len(prompts))), [], list(range(slots))[::-1]
         results = {}
@@ -260,6 +182,7 @@ class BatchedEngine:
             admit = [(queue.pop(0), free.pop()) for _ in range(min(len(free), len(queue)))]
             if admit:
                 active += self._prefill(admit, prompts, max_new_tokens, choose, run)
+                yield from self._pause()
             done = [r for r in active if r.stopped or r.start + 1 >= r.max_length]
             if len(done) < len(active):
                 self._step([r for r in active if r not in done], run)
@@ -268,8 +191,16 @@ class BatchedEngine:
                 active.remove(r)
                 free.append(r.slot)
                 results[r.index] = self._finish(r)
+            yield from self._pause()
         run.wall_seconds = self.engine.now() - self.t0
         run.requests = [results[i] for i in range(len(prompts))]
+        yield run
+
+    def _pause(self) -> Iterator[None]:
+        """Yield to the other runs of a lockstep; the time spent away moves this run's clock origin forward."""
+        paused = self.engine.now()
+        yield None
+        self.t0 += self.engine.now() - paused
 
     def _cache(self, cfg, slots: int, width: int) -> SlotCache:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -295,7 +226,8 @@ class BatchedEngine:
         last = torch.cumsum(rows.lengths, 0) - 1
         logits = self.head(hidden.index_select(0, last))
         seconds = self._clock() - t0
-        run.steps.append(BatchStep("prefill", len(admit), 0, 0, sum(lens), max(lens), 0.0, seconds, self._clock()))
+        run.steps.append(BatchStep("prefill", len(admit), 0, 0, sum(lens), max(lens), 0.0, seconds, self._clock(),
+                                   rows.width))
         out, at = [], 0
         for j, ((i, slot), n) in enumerate(zip(admit, lens)):
             tc = self.engine.now()
@@ -344,8 +276,7 @@ class BatchedEngine:
             at += len(block)
         t2 = self.engine.now()
         run.steps.append(BatchStep("decode", len(rows), len(drafting), sum(sizes[j] for j in drafting), sum(lengths),
-                                   max(sizes),
-                                   t1 - t0, t2 - t1, self._clock()))
+                                   max(sizes), t1 - t0, t2 - t1, self._clock(), layout.width))
 
     def _accept(self, r: _Row, block: List[int], logits: torch.Tensor, feats: torch.Tensor, draft_probs) -> None:
         """Engine._decode's acceptance for one row: the matching prefix (T = 0) or rejection sampling, the bonus token,
@@ -443,7 +374,7 @@ class BatchedEngine:
             k_ctx, v_ctx = self.dcache.rows(i, blk.slots, max(width, 1))
             k = torch.cat([k_ctx, blk.gather(kb)], dim=2)
             v = torch.cat([v_ctx, blk.gather(vb)], dim=2)
-            attn = blk.scatter(_attend(blk.gather(q), k, v, mask, a.scaling))
+            attn = blk.scatter(attend(blk.gather(q), k, v, mask, a.scaling))
             hidden = hidden + a.o_proj(attn.reshape(1, attn.shape[1], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return d.norm(hidden)
@@ -459,6 +390,30 @@ class BatchedEngine:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
+
+
+@torch.inference_mode()
+def lockstep(runs: Sequence[Iterator[Optional[BatchRun]]], target) -> List[BatchRun]:
+    """Drive several :meth:`BatchedEngine.start` runs (one engine each, the caches are per engine; ``target`` their
+    one target model, switched to the ragged attention meanwhile) one forward at a
+    time in turn, and return their BatchRuns in order. Why: on a shared machine the speed drifts by +-10 % within
+    minutes, so two methods timed one after the other differ by more than they differ; timed forward by forward in
+    turn, each run's seconds are still only its own (its clock stops while another runs), but a drift lasting longer
+    than a few steps hits both alike, and their paired ratio resolves (benchmarks/results/default-run-load.md)."""
+    out: List[Optional[BatchRun]] = [None] * len(runs)
+    live = list(enumerate(runs))
+    saved = target.config._attn_implementation
+    target.set_attn_implementation(RAGGED)
+    try:
+        while live:
+            for j, it in list(live):
+                got = next(it)
+                if got is not None:
+                    out[j] = got
+                    live.remove((j, it))
+    finally:
+        target.set_attn_implementation(saved)
+    return out  # type: ignore[return-value]
 
 
 def fixed(block_size: int, rule=None) -> Callable[[int, torch.Tensor, torch.Tensor], Choice]:

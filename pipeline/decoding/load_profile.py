@@ -55,6 +55,7 @@ def measure_load(engine, block_sizes: Sequence[int], concurrency: Sequence[int],
                 if not full:
                     continue
                 raw[c].append({"b": int(b), "context": int(ctx), "round": rnd, "steps": len(full),
+                               "width": float(np.mean([s.width for s in full])),
                                "draft_seconds": float(np.median([s.draft_seconds for s in full])),
                                "verify_seconds": float(np.median([s.verify_seconds for s in full]))})
     finally:

@@ -8,9 +8,11 @@ train-chosen b at that c) and ``b*(1)`` (the c = 1 choice, what a user deploys t
 choice for every request equals another's is the same computation: it is not decoded again, its rows name the
 method it shares (``same_as``), and its gain over it is exactly 0.
 
-Wall clock: every repeat decodes each distinct decode once, in a shuffled order (so that drift on a shared machine hits
-all alike); the baselines and adaptive run ``repeats`` times, the other fixed b once. The measured gain is the ratio of
-mean throughputs; its interval is a t interval over the repeats' paired log ratios. Modelled: the ragged step model
+Wall clock: every repeat runs its decodes in **lockstep** (pipeline.decoding.batched.lockstep: one forward of each in
+turn, in an order shuffled per repeat, each run's clock stopped while another runs), so that the machine's drift,
++-10 % within minutes on a shared 2-core machine, hits every method of a repeat alike; the first repeat runs every
+distinct decode, the later ones adaptive and its baselines only. The measured gain is the ratio of mean throughputs;
+its interval is a t interval over the repeats' paired log ratios. Modelled: the ragged step model
 (pipeline.policy.load_cost.LoadCost.step_seconds) over each run's own steps, plus its measured prefill seconds.
 Ray-free.
 """
@@ -109,15 +111,13 @@ def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[s
     rows: List[Dict[str, Any]] = []
     for rep in range(repeats):
         order = [m for m in timed if rep == 0 or m in repeated]
-        for i in rng.permutation(len(order)):
-            m = order[i]
-            fixed_choices = choices[m]
-            t0 = time.perf_counter()
-            run = batched.run(prompts, slots=c, max_new_tokens=max_new_tokens,
-                              choose=lambda j, lg, h, fc=fixed_choices: fc[j])
+        order = [order[i] for i in rng.permutation(len(order))]
+        t0 = time.perf_counter()
+        runs = batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in order], prompts, c, max_new_tokens)
+        for m, run in zip(order, runs):
             rows.append(run_row(c, m, rep, run, load_cost))
-            log(f"c={c} {m} repeat {rep + 1}/{repeats if m in repeated else 1}: {rows[-1]['throughput']:.1f} tok/s "
-                f"({time.perf_counter() - t0:.1f} s)")
+        log(f"c={c} repeat {rep + 1}/{repeats}: {len(order)} methods in lockstep ({time.perf_counter() - t0:.1f} s): "
+            + ", ".join(f"{m} {r['throughput']:.0f}" for m, r in zip(order, rows[-len(order):])) + " tok/s")
     for m, o in distinct.items():  # the methods that share a decode: its rows under their name
         if o != m:
             rows += [{**r, "method": m, "same_as": o} for r in rows if r["method"] == o and r["same_as"] is None]

@@ -8,8 +8,11 @@ without ``load`` reads as c = 1 at every load.
 
 The batched engine is ragged (pipeline.decoding.batched: linear layers over the rows' tokens, attention per row), so
 a step of ``rows`` rows whose blocks differ costs what ``rows`` rows at their MEAN block cost:
-``draft_c(mean drafted b) + verify_c(mean verified + 1)`` at c = rows, each fit interpolated linearly in c between
-the grid's points (:meth:`LoadCost.step_seconds`). How well that fits measured runs: evaluate's
+``draft_c(mean drafted b, W) + verify_c(mean verified + 1, W)`` at c = rows, where W is the keys each row's
+attention reads (the engine pads attention to the step's longest row), each fit interpolated linearly in c between
+the grid's points (:meth:`LoadCost.step_seconds`). The width axis is measured, not assumed: at c = 16 on the tiny
+pair a b = 6 step costs 16 ms at 64 keys a row and 36 ms at 900 (benchmarks/results/default-run-load.md), so a
+model at the profile's short contexts underestimates the evaluation's longer ones. How well that fits measured runs: evaluate's
 ``load.cost_model`` (modelled / measured seconds per method and c).
 """
 
@@ -25,7 +28,7 @@ from pipeline.policy.cost import FORMAT_DOC, CostProfile, _affine, fit_affine
 LOAD_DOC = """| `load_skipped` | version 3, instead of `load`: why the pair has no load grid (the batched engine refuses it) |
 | `load_seconds` | version 3: seconds spent timing the load grid (part of `wall_seconds`) |
 | `concurrency` | version 3: the c grid, 1 first (`profile.concurrency`) |
-| `load` | version 3: `{c: {seconds, measured, fit, raw}}` for each c > 1, timed on the batched engine with c streams at one b (steady steps, the first of each stream left out): `seconds` `{b: seconds per batched step}` of the model (fit for b >= 2, measured at b = 1), `measured` `{b: {draft, verify, total}}` medians over rounds, mean over contexts, `fit` `{draft, verify: {intercept, slope}}` affine in the per-stream b, `raw` `{b, context, round, steps, draft_seconds, verify_seconds}` per timed run |
+| `load` | version 3: `{c: {seconds, measured, fit, raw}}` for each c > 1, timed on the batched engine with c streams at one b (steady steps, the first of each stream left out): `seconds` `{b: seconds per batched step}` of the model (fit for b >= 2, measured at b = 1), `measured` `{b: {draft, verify, total}}` medians over rounds, mean over contexts, `fit` `{draft, verify: {intercept, slope, per_key, per_key_b, ref_width}, ar: {intercept, per_key, ref_width}}`: seconds = intercept + slope b + (per_key + per_key_b b)(W - ref_width) at W keys per row (profiles before the width axis: `{intercept, slope}` alone), `raw` `{b, context, round, steps, width, draft_seconds, verify_seconds}` per timed run (`width`: the mean keys per row of its steps) |
 """
 
 # The whole format, both versions' keys (the label card and `blockpilot profile --help` print it).
@@ -33,8 +36,9 @@ PROFILE_DOC = FORMAT_DOC.replace("{LOAD}", LOAD_DOC.rstrip("\n"))
 
 
 def fit_load(raw: List[Dict[str, Any]], block_sizes: Sequence[int], contexts: Sequence[int]) -> Dict[str, Any]:
-    """{seconds, measured, fit} of one c from its raw points: medians over rounds, mean over contexts, affine fits
-    in b over b >= 2 (b = 1 keeps its measured value)."""
+    """{seconds, measured, fit, raw} of one c from its raw points: medians over rounds, mean over contexts, fits in b
+    over b >= 2 (b = 1 keeps its measured value). With the points' ``width`` (keys per row; profiles since the width
+    axis) each fit is :func:`fit_width`'s, stated at the points' mean width, and ``fit["ar"]`` is b = 1's."""
     measured = {}
     for b in block_sizes:
         per = [{k: float(np.median([p[f"{k}_seconds"] for p in raw if p["b"] == b and p["context"] == ctx]))
@@ -43,10 +47,40 @@ def fit_load(raw: List[Dict[str, Any]], block_sizes: Sequence[int], contexts: Se
         m = {k: float(np.mean([x[k] for x in per])) for k in ("draft", "verify")}
         measured[int(b)] = {**m, "total": m["draft"] + m["verify"]}
     multi = [b for b in measured if b >= 2]
-    fit = {k: fit_affine(multi, [measured[b][k] for b in multi]) for k in ("draft", "verify")} if multi else {}
+    if raw and all("width" in p for p in raw) and len({round(p["width"]) for p in raw}) > 1:
+        ref = float(np.mean([p["width"] for p in raw]))
+        fit = {k: fit_width([p for p in raw if p["b"] >= 2], k, ref) for k in ("draft", "verify")} if multi else {}
+        if 1 in measured:
+            fit["ar"] = fit_width([p for p in raw if p["b"] == 1], "total", ref)
+    else:
+        fit = {k: fit_affine(multi, [measured[b][k] for b in multi]) for k in ("draft", "verify")} if multi else {}
     seconds = {b: (_affine(fit["draft"], b) + _affine(fit["verify"], b)) if b >= 2 else measured[b]["total"]
                for b in measured}
     return {"seconds": seconds, "measured": measured, "fit": fit, "raw": raw}
+
+
+def fit_width(points: List[Dict[str, Any]], part: str, ref_width: float) -> Dict[str, float]:
+    """Least squares ``y = intercept + slope * b + (per_key + per_key_b * b) * (W - ref_width)`` over raw points
+    (``part`` "draft", "verify" or "total" seconds; W the step's keys per row): a row's attention reads W keys for
+    each of its b queries, so the width adds a term in W and one in b x W. A single b fits no b terms."""
+    b = np.array([p["b"] for p in points], float)
+    w = np.array([p["width"] for p in points], float) - ref_width
+    y = np.array([p["draft_seconds"] + p["verify_seconds"] if part == "total" else p[f"{part}_seconds"]
+                  for p in points], float)
+    one_b = len(set(b.tolist())) == 1
+    x = np.stack([np.ones_like(b), w] if one_b else [np.ones_like(b), b, w, b * w], axis=1)
+    coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
+    i, sl, pk, pkb = (coef[0], 0.0, coef[1], 0.0) if one_b else coef
+    return {"intercept": float(i), "slope": float(sl), "per_key": float(pk), "per_key_b": float(pkb),
+            "ref_width": float(ref_width)}
+
+
+def _at_width(p: Dict[str, float], b: float, width: Optional[float]) -> float:
+    """A fit at block size b and ``width`` keys per row (None, or a fit without the width axis: its reference)."""
+    y = _affine(p, b)
+    if width is not None and "ref_width" in p:
+        y += (p.get("per_key", 0.0) + p.get("per_key_b", 0.0) * b) * (width - p["ref_width"])
+    return float(y)
 
 
 @dataclass
@@ -67,7 +101,8 @@ class LoadCost:
         grid = {1: {"draft": f["draft"], "verify": f["verify"], "ar": ar}}
         for c, part in (profile.meta.get("load") or {}).items():
             seconds = {int(b): float(s) for b, s in part["seconds"].items()}
-            grid[int(c)] = {"draft": part["fit"]["draft"], "verify": part["fit"]["verify"], "ar": seconds.get(1)}
+            grid[int(c)] = {"draft": part["fit"]["draft"], "verify": part["fit"]["verify"], "ar": seconds.get(1),
+                            "ar_width": part["fit"].get("ar")}
         return cls(profile, dict(sorted(grid.items())))
 
     @property
@@ -75,8 +110,11 @@ class LoadCost:
         return list(self.grid)
 
     def _at(self, c: float, part: str) -> Dict[str, float]:
-        """A fit's {intercept, slope} at c rows: linear in c between grid points, extended from the last two."""
-        cs = self.concurrency
+        """A fit at c rows: each coefficient linear in c between grid points, extended from the last two (a width
+        term missing at one point, as at c = 1, counts as 0 there)."""
+        cs = [x for x in self.concurrency if self.grid[x].get(part)]
+        if not cs:
+            return {}
         if len(cs) == 1 or c <= cs[0]:
             return self.grid[cs[0]][part]
         hi = next((i for i, x in enumerate(cs) if x >= c), len(cs) - 1)
@@ -84,24 +122,31 @@ class LoadCost:
         a, b = cs[lo], cs[hi]
         w = (c - a) / (b - a)
         pa, pb = self.grid[a][part], self.grid[b][part]
-        return {k: max(0.0, (1 - w) * pa[k] + w * pb[k]) if k == "slope" else (1 - w) * pa[k] + w * pb[k]
-                for k in ("intercept", "slope")}
+        out = {k: (1 - w) * pa.get(k, 0.0) + w * pb.get(k, 0.0) for k in ("intercept", "slope", "per_key", "per_key_b")}
+        out["slope"] = max(0.0, out["slope"])
+        ref = pb.get("ref_width", pa.get("ref_width"))
+        if ref is not None:
+            out["ref_width"] = ref
+        return out
 
-    def _ar(self, c: float) -> float:
+    def _ar(self, c: float, width: Optional[float] = None) -> float:
         pts = [(x, g["ar"]) for x, g in self.grid.items() if g.get("ar") is not None]
         if not pts:
             raise KeyError("the cost profile has no b = 1 (autoregressive) seconds")
         xs, ys = zip(*pts)
-        return float(np.interp(c, xs, ys)) if c <= xs[-1] or len(xs) == 1 else \
+        base = float(np.interp(c, xs, ys)) if c <= xs[-1] or len(xs) == 1 else \
             float(ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (c - xs[-1]))
+        fit = self._at(c, "ar_width")
+        return base + (_at_width(fit, 1, width) - _affine(fit, 1) if fit else 0.0)
 
-    def cost(self, b: int, c: int) -> float:
-        """Seconds of one batched step of c streams, each at block size b (c = 1: the profile's own cost(b))."""
+    def cost(self, b: int, c: int, width: Optional[float] = None) -> float:
+        """Seconds of one batched step of c streams, each at block size b, with ``width`` keys per row (None: the
+        profile's mean width); c = 1: the profile's own cost(b)."""
         if c == 1:
             return self.profile.cost(b)
         if b < 2:
-            return self._ar(c)
-        return _affine(self._at(c, "draft"), b) + _affine(self._at(c, "verify"), b)
+            return self._ar(c, width)
+        return _at_width(self._at(c, "draft"), b, width) + _at_width(self._at(c, "verify"), b, width)
 
     def at(self, c: int) -> CostProfile:
         """The profile of one stream's step at load c, in the c = 1 format: what the speed targets, the train-chosen
@@ -117,21 +162,23 @@ class LoadCost:
         return CostProfile(seconds, fit=fit, meta={**self.profile.meta, "at_concurrency": int(c)},
                            version=self.profile.version)
 
-    def step_seconds(self, rows: int, verify_tokens: int, drafting: int = 0, draft_tokens: int = 0) -> float:
+    def step_seconds(self, rows: int, verify_tokens: int, drafting: int = 0, draft_tokens: int = 0,
+                     width: Optional[float] = None) -> float:
         """The ragged model of one batched step: ``rows`` rows verifying ``verify_tokens`` tokens in all, of which
-        ``drafting`` rows drafted ``draft_tokens`` block positions in all (a b = 1 row drafts nothing)."""
+        ``drafting`` rows drafted ``draft_tokens`` block positions in all (a b = 1 row drafts nothing), each row's
+        attention over ``width`` keys (None: the profile's mean width)."""
         if rows < 1:
             return 0.0
-        verify = _affine(self._at(rows, "verify"), verify_tokens / rows)
+        verify = _at_width(self._at(rows, "verify"), verify_tokens / rows, width)
         if drafting == 0:  # every row autoregressive: the measured b = 1 step
-            return self._ar(rows)
-        return verify + _affine(self._at(drafting, "draft"), draft_tokens / drafting)
+            return self._ar(rows, width)
+        return verify + _at_width(self._at(drafting, "draft"), draft_tokens / drafting, width)
 
     def run_seconds(self, steps: Sequence[Any]) -> float:
         """The model of a batched run's decode steps (pipeline.decoding.batched.BatchStep, kind "decode"; needs
         ``drafting``)."""
-        return float(sum(self.step_seconds(s.rows, s.verify_tokens, s.drafting, s.draft_tokens)
-                         for s in steps if s.kind == "decode"))
+        return float(sum(self.step_seconds(s.rows, s.verify_tokens, s.drafting, s.draft_tokens,
+                                           getattr(s, "width", 0) or None) for s in steps if s.kind == "decode"))
 
 
 def schedule(tau_train: np.ndarray, candidates: Sequence[int], load: LoadCost,

@@ -430,3 +430,14 @@ def ray_train_logging_config():
     import ray.train
 
     return ray.train.LoggingConfig(log_level="INFO" if log_verbosity() >= 1 else "ERROR")
+
+
+def quiet_ray_train_reports() -> None:
+    """Ray Train logs "Reporting training result ..." (a full repr of every report) through a logger named by its
+    file path, which its log_level filter (RunConfig.logging_config, ``ray.train.*``) misses: quieted unless -v."""
+    import logging
+
+    if log_verbosity() < 1:
+        from ray.train.v2._internal.execution import context
+
+        logging.getLogger(context.__file__).setLevel(logging.WARNING)

@@ -34,7 +34,7 @@ from pipeline.training.problem import Problem, cost_profile_path, load_problem
 from pipeline.training.progress import EpochLog, write_history
 from pipeline.training.summary import summary_lines, train_summary
 
-from .ray_executor import init_ray, ray_train_logging_config
+from .ray_executor import init_ray, quiet_ray_train_reports, ray_train_logging_config
 
 RUN_NAME = "ray"  # Ray Train's run folder under train/: the checkpoints
 
@@ -73,19 +73,6 @@ class Checkpointer:
             ray.train.report(metrics, checkpoint=ckpt)
 
 
-def _quiet_ray_train_reports() -> None:
-    """Ray Train logs "Reporting training result ..." (a full repr of every report) through a logger named by its
-    file path, which its log_level filter (RunConfig.logging_config, ``ray.train.*``) misses: quieted unless -v."""
-    import logging
-
-    from pipeline.runtime.log import verbosity
-
-    if verbosity() < 1:
-        from ray.train.v2._internal.execution import context
-
-        logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 def train_loop(config: Dict[str, Any]) -> None:
     """Runs on every Ray Train worker: restore, then the epochs (pipeline.training.loop.fit), reporting with a
     checkpoint and, on rank 0, rewriting metrics.jsonl after each report; or the ridge fit (one report)."""
@@ -95,7 +82,7 @@ def train_loop(config: Dict[str, Any]) -> None:
     from pipeline.policy.blocksize import BlockSizeMLP
     from pipeline.training.loop import fit
 
-    _quiet_ray_train_reports()
+    quiet_ray_train_reports()
     t = config["train"]
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(t["seed"] + rank)

@@ -393,20 +393,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def lockstep(runs: Sequence[Iterator[Optional[BatchRun]]], target) -> List[BatchRun]:
+def lockstep(runs: Sequence[Iterator[Optional[BatchRun]]], target, rotate: bool = True) -> List[BatchRun]:
     """Drive several :meth:`BatchedEngine.start` runs (one engine each, the caches are per engine; ``target`` their
     one target model, switched to the ragged attention meanwhile) one forward at a
     time in turn, and return their BatchRuns in order. Why: on a shared machine the speed drifts by +-10 % within
     minutes, so two methods timed one after the other differ by more than they differ; timed forward by forward in
     turn, each run's seconds are still only its own (its clock stops while another runs), but a drift lasting longer
-    than a few steps hits both alike, and their paired ratio resolves (benchmarks/results/default-run-load.md)."""
+    than a few steps hits both alike, and their paired ratio resolves (benchmarks/results/default-run-load.md). Who
+    goes first rotates round by round (``rotate``): in a fixed order the first run of every round measured 2-4 %
+    slower than identical runs after it (benchmarks/lockstep_noise.py)."""
     out: List[Optional[BatchRun]] = [None] * len(runs)
     live = list(enumerate(runs))
     saved = target.config._attn_implementation
     target.set_attn_implementation(RAGGED)
     try:
+        turn = 0
         while live:
-            for j, it in list(live):
+            turn += 1
+            k = turn % len(live) if rotate else 0
+            for j, it in live[k:] + live[:k]:
                 got = next(it)
                 if got is not None:
                     out[j] = got

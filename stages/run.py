@@ -25,7 +25,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     summaries: Dict[str, Any] = {}
     seconds: Dict[str, float] = {}
     for name in ORDER:
-        if name == "tune" and not cfg.evaluate.per_step:
+        why = skipped(cfg, name)
+        if why:
+            log("run").info(f"=== {name} === skipped: {why}")
             continue
         log("run").info(f"=== {name} ===")
         t = time.monotonic()
@@ -46,6 +48,16 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     return {"stage": "run", "report": report["report"], "headline": rows, "wall_seconds": wall,
             "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}
+
+
+def skipped(cfg: PipelineConfig, name: str) -> str:
+    """Why ``run`` leaves a stage out ("" when it runs): decided before any stage runs, so nothing fails late."""
+    if name == "tune" and not cfg.evaluate.per_step:
+        return "evaluate.per_step is false"
+    if name == "tune" and cfg.decode.temperature > 0:
+        return (f"decode.temperature={cfg.decode.temperature}: per-step rules are scored on exact traces, which only "
+                "T = 0 has; adaptive runs the policy alone")
+    return ""
 
 
 def done_line(wall: float, seconds: Dict[str, float]) -> str:

@@ -1,4 +1,4 @@
-"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v3).
+"""The dataset schemas: prompt shards (prepare's output) and label shards (label's output, schema v4).
 
 This module is the contract with other teams: every column is documented here and rendered into the dataset card
 (``README.md``) written beside the shards. Never change a column's meaning without bumping the version.
@@ -17,12 +17,12 @@ from pipeline.io.shards import META_PREFIX
 from pipeline.runtime.config import LOGITS_PRECISIONS
 
 PROMPTS_SCHEMA_VERSION = "1"
-LABELS_SCHEMA_VERSION = "3"
+LABELS_SCHEMA_VERSION = "4"
 # Versions validate and train still read. v1 stored `logits` as float16, which DuckDB cannot read with
 # byte-stream-split; v2 stores the same float16-rounded values as float32 (benchmarks/logits_storage.py); v3 adds
 # the per-step trace columns (TRACE_COLUMNS) after v2's.
-READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2", "3")
-LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32(), "3": pa.float32()}
+READABLE_LABELS_SCHEMA_VERSIONS = ("1", "2", "3", "4")
+LOGITS_TYPES = {"1": pa.float16(), "2": pa.float32(), "3": pa.float32(), "4": pa.float32()}
 
 # The precision the stored logits are rounded to (label.logits_precision; shard metadata `logits_precision`, absent
 # in shards written before it = fp16). Both are stored in v3's float32 column, not as raw 16-bit patterns: Parquet
@@ -199,13 +199,27 @@ TUNE_COLUMNS = [
 TUNE_SCHEMA = pa.schema([(n, t) for n, t, _ in TUNE_COLUMNS])
 
 
+# v4: tau as an expectation over the acceptance draws (pipeline.decoding.expected), the label at T > 0 that is not one
+# coin toss per block size.
+EXPECTED_COLUMNS: List[tuple] = [
+    ("tau_expected", pa.list_(pa.float32()), "Acceptance length at each candidate with every step's committed tokens "
+     "replaced by their expectation over the step's rejection-sampling draws given its drafted tokens: 1 + sum_k "
+     "prod_{i<k} min(1, p_i(x_i)/q_i(x_i)) * sum_x min(p_k(x), q_k(x)), p the target's and q the draft's "
+     "sampling distributions at drafted slot k (pipeline.decoding.expected). The same mean as `tau` with less "
+     "variance; equal to `tau` at T = 0 and in replay mode (deterministic steps). A stop token's cut is not "
+     "modelled."),
+]
+
+
 def label_columns(version: str = LABELS_SCHEMA_VERSION) -> List[tuple]:
-    """The documented columns of label schema ``version``: v3 = v2 + TRACE_COLUMNS."""
-    return LABEL_COLUMNS + (TRACE_COLUMNS if int(version) >= 3 else [])
+    """The documented columns of label schema ``version``: v3 = v2 + TRACE_COLUMNS, v4 = v3 + EXPECTED_COLUMNS."""
+    return LABEL_COLUMNS + (TRACE_COLUMNS if int(version) >= 3 else []) + (EXPECTED_COLUMNS if int(version) >= 4
+                                                                          else [])
 
 
 def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.Schema:
-    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type; v3 adds the trace)."""
+    """The label schema of ``version`` (v1 and v2 differ only in the logits' element type; v3 adds the trace; v4
+    adds tau_expected)."""
     fields = []
     for name, typ, _ in label_columns(version):
         if name == "logits":
@@ -278,8 +292,9 @@ column), `pyarrow.parquet.read_table("DIR/part-00000.parquet")`, pandas, or Duck
 `manifest.json`, `rejects.jsonl` and `_SUCCESS`, which a reader told to take every file in it would try to parse.
 
 Schema v2 stores `logits` as float32 holding float16-rounded values (v1 stored float16, which DuckDB cannot read
-with byte-stream-split encoding). The values are the same. Schema v3 adds the `trace_*` columns at the end;
-`blockpilot validate` and `blockpilot train` read all three versions.
+with byte-stream-split encoding). The values are the same. Schema v3 adds the `trace_*` columns, v4 `tau_expected`
+(the label at T > 0 that is an expectation, not one draw); `blockpilot validate` and `blockpilot train` read all four
+versions.
 
 ## Logits precision
 

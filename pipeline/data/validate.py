@@ -1,4 +1,4 @@
-"""``blockpilot validate DIR``: check a label dataset against its manifest and its label schema (v3, v2 or v1).
+"""``blockpilot validate DIR``: check a label dataset against its manifest and its label schema (v4, v3, v2 or v1).
 
 Every violation is one problem line that starts with the file it concerns; any problem means exit status 1.
 
@@ -12,10 +12,10 @@ Every violation is one problem line that starts with the file it concerns; any p
   summary's ``input_rows_check`` says so) and that is not a problem. An entry without ``input_rows`` IS a problem
   when other entries of the same manifest have it: the driver writes it for every file or for none, so such a
   manifest was edited or assembled from two runs.
-* **The schema.** ``blockpilot.schema_version`` (3, or 2 or 1: older sets stay readable) and the exact label
+* **The schema.** ``blockpilot.schema_version`` (4, or 3, 2 or 1: older sets stay readable) and the exact label
   schema of that version (column names and types).
 * **The rows.** No nulls (but the ``trace_*`` columns of v3, null together where a row has no trace); candidates
-  as in the shard's metadata; tau one value per candidate, finite and >= 1; ``label_block_size`` (with
+  as in the shard's metadata; tau (and v4's tau_expected) one value per candidate, finite and >= 1; ``label_block_size`` (with
   ``label_index``) and ``label_speedup_block_size`` within the candidates; logits finite and exactly at the
   precision ``blockpilot.logits_precision`` names (fp16 where the key is absent: every set before it; bf16 sets are
   read the same way, float32 holding bfloat16 values); prompt ids unique across the whole folder (a duplicate
@@ -194,7 +194,9 @@ def validate_dataset(folder: str) -> ValidationReport:
                 # assembled from two precisions, or rewritten without rounding).
                 off = ~at_precision(logits, precision).all(axis=1) if precision else np.zeros(len(finite), bool)
                 traced = TRACE_NAMES[0] in batch.schema.names
-                d = batch.select(ROW_COLUMNS + (["new_tokens"] + TRACE_NAMES if traced else [])).to_pydict()
+                expected = "tau_expected" in batch.schema.names  # v4
+                d = batch.select(ROW_COLUMNS + (["new_tokens"] + TRACE_NAMES if traced else []) +
+                                 (["tau_expected"] if expected else [])).to_pydict()
                 if not finite.all():
                     ids = [d["prompt_id"][i] for i in np.flatnonzero(~finite)]
                     bad(f"{p.name}: {len(ids)} row(s) with non-finite logits (NaN or inf), e.g. row {ids[0]}")
@@ -222,6 +224,9 @@ def validate_dataset(folder: str) -> ValidationReport:
                         bad(f"{p.name}: row {pid} has tau not finite (NaN or inf) at b={nonfinite}: {tau}")
                     if low:
                         bad(f"{p.name}: row {pid} has tau < 1 at b={low}: {tau}")
+                    te = d["tau_expected"][i] if expected else tau
+                    if len(te) != len(cands) or not all(math.isfinite(t) and t >= 1 - 1e-4 for t in te):
+                        bad(f"{p.name}: row {pid} has tau_expected {te}: one finite value >= 1 per candidate")
                     lb, li = d["label_block_size"][i], d["label_index"][i]
                     if lb not in cands or li < 0 or li >= len(cands) or cands[li] != lb:
                         bad(f"{p.name}: row {pid} label {lb} (index {li}) not within candidates {cands}")

@@ -36,6 +36,7 @@ from dflash.model import (
     sample,
 )
 
+from pipeline.decoding.expected import dense_draft_probs, expected_committed
 from pipeline.policy.step_rules import draft_confidence
 
 
@@ -66,6 +67,9 @@ class DecodeResult:
     # Drafted tokens sent to the target per step (block_size - 1 on full steps; fewer with a step rule, or at the
     # max_new_tokens cut). The verify forward runs over verified + 1 positions.
     verified: List[int] = field(default_factory=list)
+    # Per step, the expected tokens committed given the step's drafted tokens (pipeline.decoding.expected): at T > 0
+    # the rejection sampling integrated out, at T = 0 what the step committed.
+    expected_committed: List[float] = field(default_factory=list)
     step_rule: Optional[dict] = None  # the per-step rule's describe(), None for plain decoding at block_size
     draft_seconds: float = 0.0  # sum over steps; a step rule's own work (rule_seconds) included
     verify_seconds: float = 0.0
@@ -100,6 +104,13 @@ class DecodeResult:
         acceptance to measure; it is reported as 1.0 with ``steps == 0`` so that consumers can filter it.
         """
         return sum(self.committed) / len(self.committed) if self.committed else 1.0
+
+    @property
+    def tau_expected(self) -> float:
+        """tau with each step's committed tokens replaced by their expectation over the step's acceptance draws (its
+        drafted tokens and the context kept): the same mean at T > 0, with less variance; = tau at T = 0."""
+        e = self.expected_committed
+        return sum(e) / len(e) if e else self.tau
 
 
 class Engine:
@@ -274,6 +285,11 @@ class Engine:
                 acceptance_length = int(
                     (block_output_ids[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum(dim=1)[0].item())
                 bonus = posterior[:, acceptance_length][0]
+            expected = None
+            if temperature > 0:
+                expected = 1.0 if verify_size == 1 else expected_committed(
+                    target_probs[0], dense_draft_probs(draft_probs, draft_indices, target_probs.shape[-1])[0],
+                    block_output_ids[0, 1:], max_length - start - 1)
             output_ids[:, start:start + acceptance_length + 1] = block_output_ids[:, :acceptance_length + 1]
             output_ids[:, start + acceptance_length + 1] = bonus
             produced = min(acceptance_length + 1, max_length - start - 1)
@@ -287,6 +303,7 @@ class Engine:
             _crop_to(past_key_values_target, start)
             result.committed.append(int(produced))
             result.verified.append(verify_size - 1)
+            result.expected_committed.append(float(produced) if expected is None else expected)
             if verify_size > 1:
                 # With b >= 2, verify_size is >= 2 on every step (the loop needs start + 1 < max_length), so the
                 # draft always sees fresh features; with b = 1 it never drafts and never reads them.

@@ -39,6 +39,9 @@ class PromptLabels:
     # The per-step trace along g at a drafted b_max (pipeline.labelling.trace) and its seconds; None without one.
     trace: Optional[Trace] = None
     trace_seconds: Optional[float] = None
+    # tau with each step's committed tokens replaced by their expectation over its acceptance draws (T > 0;
+    # pipeline.decoding.expected); None where the steps are deterministic (it equals tau).
+    tau_expected: Optional[List[float]] = None
 
     @property
     def label_block_size(self) -> int:
@@ -59,6 +62,8 @@ def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict], step_cost:
         decode_seconds=[per_b[b]["seconds"] for b in candidates], prefill_seconds=state.prefill_seconds,
         label_index=tau_label(tau), label_speedup_index=speedup_index, trace=trace,
         trace_seconds=trace_seconds if trace is not None else None,
+        tau_expected=[per_b[b]["expected"] for b in candidates] if all("expected" in per_b[b] for b in candidates)
+        else None,
     )
 
 
@@ -79,7 +84,8 @@ def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[i
         keep = traced and b == max(candidates)
         r = engine.decode(state, block_size=b, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, top_k=top_k, seed=seed, keep_context=keep)
-        per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds}
+        per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds,
+                    "expected": r.tau_expected}
         if keep:
             t0 = time.perf_counter()
             runner = DraftReplay(engine.draft, engine.target, r.output_ids[0], r.context)

@@ -19,7 +19,8 @@ def label_row(rec: Dict[str, Any], out: Any, logits: np.ndarray, worker: str) ->
             "new_tokens": out.new_tokens, "decode_seconds": out.decode_seconds,
             "label_block_size": out.label_block_size, "label_index": out.label_index,
             "label_speedup_block_size": out.candidates[out.label_speedup_index],
-            "prefill_seconds": out.prefill_seconds, "worker": worker, **trace_columns(out)}
+            "prefill_seconds": out.prefill_seconds, "worker": worker, **trace_columns(out),
+            "tau_expected": getattr(out, "tau_expected", None) or out.tau}
 
 
 def trace_columns(out: Any) -> Dict[str, Any]:

@@ -143,7 +143,7 @@ def test_label_dataset_contract(run_dir):
     assert {k: meta[k] for k in ("schema_version", "target", "draft", "target_revision", "draft_revision",
                                  "trained_block_size", "candidates", "temperature", "max_new_tokens", "seed",
                                  "package_version", "label_mode", "stage", "input_shard")} == {
-        "schema_version": "3", "target": "bundled:tiny-target", "draft": "bundled:tiny-draft",
+        "schema_version": "4", "target": "bundled:tiny-target", "draft": "bundled:tiny-draft",
         "target_revision": revision("tiny-target"), "draft_revision": revision("tiny-draft"),
         "trained_block_size": 8, "candidates": [6, 7, 8, 9, 10], "temperature": 0.0, "max_new_tokens": 32,
         "seed": 0, "package_version": __version__, "label_mode": "replay",  # auto at T = 0

@@ -95,8 +95,20 @@ def test_every_published_config_loads(name):
     assert cfg.output_dir == f"runs/published/{name}"
 
 
-def test_published_configs_are_the_four_shipped():
-    assert sorted(published_configs()) == ["llama3.1-8b-instruct", "qwen3-4b", "qwen3-8b", "qwen3-coder-30b-a3b"]
+def test_published_configs_are_the_five_shipped():
+    assert sorted(published_configs()) == ["llama3.1-8b-instruct", "qwen3-4b", "qwen3-4b-t1", "qwen3-8b",
+                                           "qwen3-coder-30b-a3b"]
+
+
+def test_the_papers_own_setting_is_its_recipe_at_t_1():
+    """method.md: Qwen3-4B at T = 1, k = 2, the 2-layer MLP of hidden 2048 on raw logits, Adam lr 1e-5, 100 epochs,
+    cross-entropy on the argmax-tau label; the same model, draft and sets as the T = 0 config."""
+    t1, t0 = load_config(config_file="published:qwen3-4b-t1"), load_config(config_file="published:qwen3-4b")
+    assert t1.decode.temperature == 1.0 and t1.label.k == 2 and t1.label.mode == "auto"
+    assert (t1.train.model, t1.train.objective, t1.train.label, t1.train.hidden, t1.train.n_layers, t1.train.lr,
+            t1.train.epochs, t1.train.input_transform) == ("mlp", "paper", "tau", 2048, 2, 1e-5, 100, "none")
+    assert (t1.model, t1.prepare, t1.evaluate) == (t0.model, t0.prepare, t0.evaluate)
+    assert t1.output_dir != t0.output_dir
 
 
 def test_choice_lists_come_from_their_owners():

@@ -46,7 +46,7 @@ COLUMNS = "prompt_id, logits, tau, label_block_size, trace_match, trace_confiden
 
 def test_the_set_is_schema_v3_with_float16_precision(real_labels, reference):
     meta = decode_metadata(pq.read_schema(real_labels / "part-00000.parquet").metadata)
-    assert meta["schema_version"] == LABELS_SCHEMA_VERSION == "3"
+    assert meta["schema_version"] == LABELS_SCHEMA_VERSION == "4"
     assert any(len(c) and len(c[0]) == 9 for c in reference["confidence"])  # b_max = B + B // 4 = 10: 9 drafted slots
     assert pq.read_schema(real_labels / "part-00000.parquet").field("logits").type.value_type == pa.float32()
     x = reference["logits"]

@@ -49,3 +49,15 @@ def test_without_a_rule_adaptive_is_the_policy_and_a_hindsight_baseline_says_so(
     rows = headline_rows(summary(with_rule=False, baseline_is="hindsight"))
     assert [r["row"] for r in rows][:2] == ["adaptive (the policy alone)", "baseline (hindsight) b=9"]
     assert headline_rows({"methods": [], "tables": {}, "headline": {}}) == [] and format_rows([]) == ""
+
+
+def test_run_leaves_tune_out_at_t_above_0_before_any_stage_runs():
+    """At T > 0 tune would refuse after label and train had run; run decides up front and says why in one line."""
+    from pipeline.runtime.config import load_config
+    from stages.run import ORDER, skipped
+
+    hot = load_config(["decode.temperature=1.0", "label.mode=exhaustive"])
+    assert [n for n in ORDER if skipped(hot, n)] == ["tune"]
+    assert "decode.temperature=1.0" in skipped(hot, "tune")
+    assert not any(skipped(load_config([]), n) for n in ORDER)
+    assert skipped(load_config(["evaluate.per_step=false"]), "tune") == "evaluate.per_step is false"

@@ -270,12 +270,13 @@ def test_trace_null_in_part_only_and_a_row_without_trace(labels, capsys):
 
 
 def test_a_schema_v2_set_still_validates(labels, capsys):
-    """The same rows without the trace columns, marked v2, as a set written before v3 holds them."""
+    """The same rows without the trace columns (and v4's tau_expected), marked v2, as a set written before v3 holds
+    them."""
     for name in (S0, S1):
         t = pq.read_table(labels / name)
         meta = dict(t.schema.metadata)
         meta[b"blockpilot.schema_version"] = json.dumps("2").encode()
-        pq.write_table(t.drop_columns(TRACE).replace_schema_metadata(meta), labels / name)
+        pq.write_table(t.drop_columns(TRACE + ["tau_expected"]).replace_schema_metadata(meta), labels / name)
         refresh_manifest(labels, name)
     assert validate(labels, capsys) == (0, [])
 
@@ -343,7 +344,7 @@ def test_wrong_schema_version(labels, capsys):
     pq.write_table(_with_metadata("schema_version", "9")(pq.read_table(p)), p)
     refresh_manifest(labels, S0)
     msg = only_problem(labels, capsys)
-    assert msg == f"{S0}: schema_version '9', expected one of 1, 2, 3"
+    assert msg == f"{S0}: schema_version '9', expected one of 1, 2, 3, 4"
 
 
 def test_a_column_of_another_type_is_a_wrong_schema(labels, capsys):
@@ -354,7 +355,7 @@ def test_a_column_of_another_type_is_a_wrong_schema(labels, capsys):
     pq.write_table(t, p)
     refresh_manifest(labels, S1)
     msg = only_problem(labels, capsys)
-    assert msg == f"{S1}: schema does not match label schema v3"
+    assert msg == f"{S1}: schema does not match label schema v4"
 
 
 def test_an_extra_column_is_a_wrong_schema(labels, capsys):
@@ -363,7 +364,7 @@ def test_an_extra_column_is_a_wrong_schema(labels, capsys):
     pq.write_table(t.append_column("extra", pa.array([1] * t.num_rows)), p)
     refresh_manifest(labels, S0)
     msg = only_problem(labels, capsys)
-    assert msg == f"{S0}: schema does not match label schema v3"
+    assert msg == f"{S0}: schema does not match label schema v4"
 
 
 # ---- the rows ------------------------------------------------------------------------------------------------------

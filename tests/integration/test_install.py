@@ -70,7 +70,9 @@ def test_wheel_holds_the_config_and_the_assets(installed):
     # conf/ ships as the package blockpilot_conf (pyproject.toml's package-dir), which the installed config reads.
     assert "blockpilot_conf/default.yaml" in names
     published = sorted(n for n in names if n.startswith("blockpilot_conf/published/") and n.endswith(".yaml"))
-    assert len(published) == 4, published
+    shipped = (REPO / "conf" / "published").glob("*.yaml")
+    assert published == sorted(f"blockpilot_conf/published/{p.name}" for p in shipped)
+    assert len(published) == 5, published
     assets = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "pipeline" / "assets").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts)
     for must in ("pipeline/assets/tiny-target/model.safetensors", "pipeline/assets/tiny-target/tokenizer.json",

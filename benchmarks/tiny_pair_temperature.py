@@ -3,6 +3,11 @@ label prompts (64 new tokens, two sampled decodes each at T > 0), and tau x cost
 
     python benchmarks/tiny_pair_temperature.py COST_PROFILE.json
 """
+import argparse
+
+_args = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_args.add_argument("cost_profile", help="a cost_profile.json (e.g. runs/default/labels/cost_profile.json)")
+ARGS = _args.parse_args()
 import sys, torch, numpy as np
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from label_noise import label_prompts
@@ -13,7 +18,7 @@ from pipeline.runtime.config import load_config
 torch.set_num_threads(1); torch.manual_seed(0)
 m = load_models(load_config([]).model)
 e = Engine(m.target, m.draft, m.stop_token_ids)
-prof = CostProfile.load(sys.argv[1])
+prof = CostProfile.load(ARGS.cost_profile)
 prompts = label_prompts(m.tokenizer, 20, 256)
 states = [e.prefill(torch.tensor([p])) for p in prompts]
 print("T     mean tau at b=4 / 8 / 12     modelled speedup over AR at b=4 / 8 / 12")

@@ -27,7 +27,8 @@ from pipeline.io.storage import arrow_filesystem, is_remote, resolve
 from pipeline.runtime.config import PipelineConfig
 from pipeline.runtime.log import get as log
 from pipeline.training import checkpoint
-from pipeline.training.data import LABEL_COLUMN, SplitData, histogram, in_split, uses_costs, with_rule_tau
+from pipeline.training.data import (LABEL_COLUMN, SplitData, as_tau, histogram, in_split, uses_costs,
+                                    with_rule_tau)
 from pipeline.training.export import ExportInput, export_policy
 from pipeline.training.plots import plot_curves
 from pipeline.training.problem import Problem, cost_profile_path, load_problem
@@ -176,11 +177,11 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
     calib = cfg.train.calibration_fraction if cfg.train.objective == "speed" else 0.0
     fs, _ = arrow_filesystem(labels_dir)
     ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(
-        ["prompt_id", "logits", "tau", LABEL_COLUMN])
+        ["prompt_id", "logits", cfg.train.tau_column, LABEL_COLUMN])
 
     def keep(batch, split: str, rule_tau):
         mask = in_split(batch["prompt_id"], split, frac, calib)
-        out = {k: v[mask] for k, v in batch.items()}
+        out = as_tau({k: v[mask] for k, v in batch.items()}, cfg.train.tau_column, problem.candidates)
         if rule_tau and mask.any():  # the rule actions' columns after the candidates' (pipeline.training.problem)
             out["tau"] = with_rule_tau(np.stack(out["tau"]), out["prompt_id"], rule_tau)
         return out

@@ -18,6 +18,7 @@ LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pi
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 POLICY_MODELS = ("ridge", "mlp")
 LABEL_KINDS = ("tau", "speedup")
+TAU_COLUMNS = ("tau", "tau_expected")  # train.tau_column; documented in pipeline/data/schemas.py
 SOURCE_KINDS = ("bundled", "hf", "jsonl", "json", "parquet", "text", "sharegpt")
 
 
@@ -37,7 +38,7 @@ def _choices() -> Dict[str, tuple]:
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
-        "train.label": LABEL_KINDS,
+        "train.label": LABEL_KINDS, "train.tau_column": TAU_COLUMNS,
     }
 
 

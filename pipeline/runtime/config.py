@@ -199,6 +199,9 @@ class TrainConfig:
     soft_temperature: float = 1.0
     # hard only, one of LABEL_KINDS: tau (argmax tau) | speedup (argmax tau / cost under train.cost_profile).
     label: str = "tau"
+    # One of TAU_COLUMNS, the label column every objective reads as tau (and the argmax-tau label from it): tau (one
+    # decode per b) | tau_expected (label schema v4: each step's acceptance draws integrated out; = tau at T = 0).
+    tau_column: str = "tau"
     # The cost profile (cost_profile.json) the speed targets use; None = the labelling one (labels/cost_profile.json).
     # One label set serves any deployment: give the serving machine's profile here.
     cost_profile: Optional[str] = None

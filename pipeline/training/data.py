@@ -127,18 +127,33 @@ def with_rule_tau(tau: np.ndarray, prompt_ids: Sequence[str], rule_tau: Optional
     return np.concatenate([tau, np.array([rule_tau[str(i)] for i in prompt_ids], dtype=tau.dtype)], axis=1)
 
 
+def as_tau(batch: Dict[str, Any], tau_column: str, candidates: Sequence[int]) -> Dict[str, Any]:
+    """A batch ({column: values}) whose ``tau`` is ``tau_column`` (train.tau_column) and whose stored argmax-tau label
+    (LABEL_COLUMN) is that column's argmax, ties to the smaller b as label stores them; unchanged for ``tau``."""
+    if tau_column == "tau":
+        return batch
+    out = {k: v for k, v in batch.items() if k != tau_column}
+    rows = [np.asarray(x, dtype=np.float32) for x in batch[tau_column]]
+    tau = np.stack(rows) if rows else np.zeros((0, len(candidates)), dtype=np.float32)
+    out["tau"] = list(tau) if isinstance(batch[tau_column], list) else tau
+    if LABEL_COLUMN in batch:
+        out[LABEL_COLUMN] = np.asarray(candidates)[tau[:, :len(candidates)].argmax(1)]
+    return out
+
+
 def read_splits(shards: List[Path], val_fraction: float, candidates: List[int], calibration_fraction: float = 0.0,
                 costs: Optional[Sequence[float]] = None, label_col: str = LABEL_COLUMN,
-                rule_tau: Optional[Dict[str, List[float]]] = None) -> Splits:
-    """The split, tau (with the rule actions' columns) and labels of every row (no logits: this runs on the
-    driver)."""
+                rule_tau: Optional[Dict[str, List[float]]] = None, tau_column: str = "tau") -> Splits:
+    """The split, tau (``tau_column``, with the rule actions' columns) and labels of every row (no logits: this runs
+    on the driver)."""
     import pyarrow as pa
 
-    t = pa.concat_tables([read_table(p, columns=["prompt_id", "tau", label_col]) for p in shards])
-    ids = t.column("prompt_id").to_pylist()
+    t = pa.concat_tables([read_table(p, columns=["prompt_id", tau_column, label_col]) for p in shards])
+    d = as_tau(t.to_pydict(), tau_column, candidates)
+    ids = d["prompt_id"]
     split = np.array([split_of(i, val_fraction, calibration_fraction) for i in ids])
-    tau = with_rule_tau(np.array(t.column("tau").to_pylist(), dtype=np.float32), ids, rule_tau)
-    y_tau = label_index(t.column(label_col).to_pylist(), candidates)
+    tau = with_rule_tau(np.array(d["tau"], dtype=np.float32), ids, rule_tau)
+    y_tau = label_index(d[label_col], candidates)
     y = np.asarray(speed_label(tau, costs), dtype=np.int64) if costs is not None else y_tau
     return Splits(split, tau, y, y_tau)
 

@@ -148,8 +148,11 @@ def load_problem(train_cfg, labels_dir: Path) -> Problem:
     costs = None if profile is None else [profile.cost(a.block_size) for a in policy_actions(candidates, rule_actions)]
     learns_speed = uses_costs(train_cfg.objective, train_cfg.label)
     calib_frac = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
+    if train_cfg.tau_column not in parquet_file(shards[0]).schema_arrow.names:
+        raise ValueError(f"config key 'train.tau_column': {train_cfg.tau_column!r} is not a column of "
+                         f"{shards[0]} (label schema v{meta.get('schema_version')}; tau_expected needs v4)")
     splits = read_splits(shards, train_cfg.val_fraction, candidates, calib_frac, costs if learns_speed else None,
-                         LABEL_COLUMN, rule_tau)
+                         LABEL_COLUMN, rule_tau, train_cfg.tau_column)
     if splits.train.sum() == 0:
         raise ValueError("train.val_fraction + train.calibration_fraction leave no training rows")
     tau_train = splits.tau[splits.train]

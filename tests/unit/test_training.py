@@ -213,3 +213,31 @@ def test_the_export_round_trips_through_the_policy_and_names_the_train_chosen_b(
     assert hist["argmax_tau_over_cost"] == {c: int(((p.splits.tau / costs).argmax(1) == i).sum())
                                             for i, c in enumerate(CANDS)}
     assert json.loads((tmp_path / POLICY / POLICY_META).read_text())["objective"] == objective
+
+
+def test_train_tau_column_reads_tau_expected_and_its_own_argmax_label(tmp_path):
+    """train.tau_column=tau_expected: every reader sees that column as tau, and the argmax-tau label follows it
+    (not the stored label, the argmax of the sampled tau); ties to the smaller b; empty batches pass."""
+    from pipeline.training.data import as_tau, read_splits
+
+    cands = [4, 5, 6]
+    tau = [[1.5, 1.9, 1.7], [2.0, 1.0, 1.2], [1.4, 1.4, 1.1]]
+    expected = [[1.8, 1.6, 1.7], [1.1, 1.3, 1.2], [1.2, 1.5, 1.5]]
+    table = pa.table({"prompt_id": [f"p{i}" for i in range(3)], "tau": tau, "tau_expected": expected,
+                      LABEL_COLUMN: [5, 4, 4]})
+    path = tmp_path / shard_name(0)
+    write_parquet_atomic(table, path)
+    plain = read_splits([path], 0.0, cands)
+    got = read_splits([path], 0.0, cands, tau_column="tau_expected")
+    assert np.allclose(plain.tau, tau) and plain.y_tau.tolist() == [1, 0, 0]
+    assert np.allclose(got.tau, expected) and got.y_tau.tolist() == [0, 1, 1]  # 1.5 = 1.5: the smaller b
+    empty = as_tau({"prompt_id": np.array([]), "tau_expected": np.array([], dtype=object),
+                    LABEL_COLUMN: np.array([])}, "tau_expected", cands)
+    assert empty["tau"].shape == (0, 3) and "tau_expected" not in empty
+
+
+def test_an_unknown_tau_column_is_refused_naming_the_key():
+    from pipeline.runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.tau_column"):
+        load_config(["train.tau_column=tau_sampled"])

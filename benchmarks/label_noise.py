@@ -24,13 +24,15 @@ import numpy as np
 import torch
 
 
-def label_prompts(tokenizer, n: int, max_tokens: int):
+def label_prompts(tokenizer, n: int, max_tokens: int, split: str = "label"):
+    """The first n / 5 prompts of each bundled kind's ``split`` (label or eval), tokenized without the chat template,
+    cut to max_tokens (n in all)."""
     from pipeline.data.bundled import PROMPTS_DIR
 
     kinds = ("code", "docs", "bible", "fortunes", "maths")
     out = []
     for kind in kinds:
-        with open(PROMPTS_DIR / f"{kind}-label.jsonl") as f:
+        with open(PROMPTS_DIR / f"{kind}-{split}.jsonl") as f:
             out += [tokenizer(json.loads(line)["text"])["input_ids"][:max_tokens]
                     for _, line in zip(range(-(-n // len(kinds))), f)]
     return out[:n]

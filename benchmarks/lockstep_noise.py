@@ -9,20 +9,14 @@ repeats, and prints each turn position's throughput relative to the mean of the 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def eval_prompts(tokenizer, n: int):
-    from pipeline.data.bundled import PROMPTS_DIR
-
-    out = []
-    for kind in ("code", "docs", "bible", "fortunes", "maths"):
-        with open(PROMPTS_DIR / f"{kind}-eval.jsonl") as f:
-            out += [tokenizer(json.loads(line)["text"])["input_ids"] for _, line in zip(range(n // 5 + 1), f)]
-    return out[:n]
+sys.path.insert(0, str(Path(__file__).parent))
+from label_noise import label_prompts  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -40,7 +34,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     m = load_models(load_config([]).model)
     engine = Engine(m.target, m.draft, m.stop_token_ids)
-    prompts = eval_prompts(m.tokenizer, a.prompts)
+    prompts = label_prompts(m.tokenizer, a.prompts, 1 << 20, split="eval")
     engines = [BatchedEngine(engine) for _ in range(3)]
     rel = {True: [], False: []}
     for rep in range(a.repeats):

@@ -224,8 +224,9 @@ def validate_dataset(folder: str) -> ValidationReport:
                         bad(f"{p.name}: row {pid} has tau not finite (NaN or inf) at b={nonfinite}: {tau}")
                     if low:
                         bad(f"{p.name}: row {pid} has tau < 1 at b={low}: {tau}")
-                    te = d["tau_expected"][i] if expected else tau
-                    if len(te) != len(cands) or not all(math.isfinite(t) and t >= 1 - 1e-4 for t in te):
+                    te = d["tau_expected"][i] if expected else None
+                    if te is not None and (len(te) != len(cands) or
+                                           not all(math.isfinite(t) and t >= 1 - 1e-4 for t in te)):
                         bad(f"{p.name}: row {pid} has tau_expected {te}: one finite value >= 1 per candidate")
                     lb, li = d["label_block_size"][i], d["label_index"][i]
                     if lb not in cands or li < 0 or li >= len(cands) or cands[li] != lb:

@@ -42,10 +42,9 @@ def expected_committed(target_probs: torch.Tensor, draft_probs: torch.Tensor, dr
     n = min(k, int(room) - 1)
     if n <= 0:
         return 1.0
-    p = target_probs[:k].double()
-    q = draft_probs[:k].double()
+    p, q = target_probs[:k].float(), draft_probs[:k].float()  # float32 already: no [K, V] copies on a decode step
     alpha = torch.minimum(p, q).sum(-1)  # [K] P(slot i accepted | the slots before accepted, x_<i)
     idx = drafted[:, None].long()
-    ratio = (p.gather(-1, idx)[:, 0] / q.gather(-1, idx)[:, 0].clamp_min(1e-300)).clamp(max=1.0)
+    ratio = (p.gather(-1, idx)[:, 0] / q.gather(-1, idx)[:, 0].clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0)
     prefix = torch.cat([torch.ones(1, dtype=ratio.dtype, device=ratio.device), torch.cumprod(ratio, 0)[:-1]])
     return float(1.0 + (prefix * alpha)[:n].sum())

@@ -206,6 +206,16 @@ def test_tau_below_one(labels, capsys):
     assert S0 in msg and pid in msg and "tau < 1" in msg and "b=[6]" in msg
 
 
+def test_tau_expected_below_one_or_short(labels, capsys):
+    pid = first_id(labels, S0, 1)
+    rewrite(labels, S0, lambda t: set_row(t, "tau_expected", 1, [0.5] + t.column("tau_expected")[1].as_py()[1:]))
+    msg = only_problem(labels, capsys)
+    assert S0 in msg and pid in msg and "tau_expected" in msg and ">= 1 per candidate" in msg
+    rewrite(labels, S0, lambda t: set_row(t, "tau_expected", 1, t.column("tau")[1].as_py()[:-1]))
+    msg = only_problem(labels, capsys)
+    assert pid in msg and "tau_expected" in msg
+
+
 def test_tau_nan(labels, capsys):
     pid = first_id(labels, S1, 3)
     rewrite(labels, S1, lambda t: set_row(t, "tau", 3, t.column("tau")[3].as_py()[:-1] + [math.nan]))

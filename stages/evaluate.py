@@ -27,7 +27,8 @@ from pipeline.evaluation.headline import comparisons, headlines, train_chosen_b
 from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, default_fixed_block_sizes, methods_for,
                                          oracle_block_size)
 from pipeline.evaluation.render import render_csv, render_markdown, results_card, summary_lines
-from pipeline.evaluation.results import result_row, with_modelled_time
+from pipeline.evaluation.distribution import distribution_summary
+from pipeline.evaluation.results import Sampled, result_row, with_modelled_time
 from pipeline.evaluation.summary import folded_agreement, summarize
 from pipeline.io.layout import COST_PROFILE, POLICY_FILES, POLICY_META, RunLayout
 from pipeline.executor.folder import require_complete
@@ -174,53 +175,84 @@ class EvaluateStage(DecodingStage):
         path = self.policy_dir / COST_PROFILE
         return CostProfile.load(path) if path.exists() else None
 
-    def reference(self, ids, ar):
+    def reference(self, ids):
         """What every method's output must equal: at T = 0 the target's plain greedy decoding, computed by an
-        independent loop (so a bug shared by all block sizes of the engine, b = 1 included, still shows)."""
+        independent loop (so a bug shared by all block sizes of the engine, b = 1 included, still shows); None at
+        T > 0, where the outputs are checked by distribution (``pit``)."""
         if self.cfg.decode.temperature > 0:
-            return ar.output_ids
+            return None
         from pipeline.decoding.engine import greedy_reference
 
         return greedy_reference(self.models.target, ids, self.cfg.decode.max_new_tokens, self.engine.stop_token_ids)
 
+    @property
+    def samples(self) -> int:
+        """Draws per prompt x method: evaluate.samples at T > 0; one at T = 0 (every draw would be the same)."""
+        return self.cfg.evaluate.samples if self.cfg.decode.temperature > 0 else 1
+
+    def pit(self, res: Sampled, prompt: int) -> Optional[List[float]]:
+        """At T > 0 the distribution check's values of every token of every draw (None at T = 0)."""
+        d = self.cfg.decode
+        if d.temperature <= 0:
+            return None
+        from pipeline.evaluation.distribution import pit_values
+
+        return [u for r, run in enumerate(res.runs) for u in pit_values(
+            self.models.target, run.output_ids, run.num_input_tokens, d.temperature, d.top_p, d.top_k,
+            seed=(d.seed + 7919 * prompt + r) % 2**63)]
+
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         kw, cands = self.decode_kwargs(), self.candidates
+        seed = kw.pop("seed")
+        seeds = [seed + r for r in range(self.samples)]
+
+        def draws(decode):  # decode(seed) for every draw's seed
+            return [decode(s) for s in seeds]
 
         def measure(rec):
             ids = self.input_ids(rec)
             state = self.engine.prefill(ids)
-            ar = self.engine.decode(state, block_size=1, **kw)
-            fixed = {b: self.engine.decode(state, block_size=b, **kw) for b in sorted(set(self.fixed) | set(cands))}
-            ad = {"adaptive": self.adaptive.generate(ids, state=state, **kw)}
+            ar = Sampled(draws(lambda s: self.engine.decode(state, block_size=1, seed=s, **kw)))
+            fixed = {b: Sampled(draws(lambda s: self.engine.decode(state, block_size=b, seed=s, **kw)))
+                     for b in sorted(set(self.fixed) | set(cands))}
+            ad = {"adaptive": draws(lambda s: self.adaptive.generate(ids, state=state, seed=s, **kw))}
             steps = {}
             if self.step_rule is not None:  # the two parts apart: the policy alone, the tuned rule(s) alone
-                ad[POLICY_ONLY] = self.policy_only.generate(ids, state=state, **kw)
+                ad[POLICY_ONLY] = draws(lambda s: self.policy_only.generate(ids, state=state, seed=s, **kw))
                 bm = int(self.step_rule["max_block_size"])
-                steps = {m: (bm, self.engine.decode(state, block_size=bm, step_rule=rule, **kw))
+                steps = {m: (bm, Sampled(draws(lambda s: self.engine.decode(state, block_size=bm, step_rule=rule,
+                                                                            seed=s, **kw))))
                          for m, rule in self.rules.items()}
-            return state, ar, fixed, ad, steps, self.reference(ids, ar), self.per_step_check(ids, steps)
+            return state, ar, fixed, ad, steps, self.reference(ids), self.per_step_check(ids, steps)
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids"])
-        row = partial(result_row, worker=self.worker.identity, cost_profile=self.cost_profile)
         rows: List[Dict[str, Any]] = []
-        for rec, (state, ar, fixed, ad, steps, ref, check) in self.each_prompt(input, table, rejects, measure):
+        for i, (rec, (state, ar, fixed, ad, steps, ref, check)) in enumerate(
+                self.each_prompt(input, table, rejects, measure)):
             p = state.prefill_seconds
-            rows.append(row(rec, "AR", "autoregressive", 1, ar, p, None, ref))
-            rows += [row(rec, f"b={b}", "fixed", b, fixed[b], p, None, ref) for b in self.fixed]
-            for method, a in ad.items():
-                r = row(rec, method, method, a.block_size, a.decode, p, a.policy_seconds, ref)
+
+            def row(method, kind, b, res, policy_s=None):
+                return result_row(rec, method, kind, b, res, p, policy_s, ref, self.worker.identity,
+                                  self.cost_profile, self.pit(res, i))
+
+            rows.append(row("AR", "autoregressive", 1, ar))
+            rows += [row(f"b={b}", "fixed", b, fixed[b]) for b in self.fixed]
+            for method, runs in ad.items():
+                a = runs[0]  # the policy's choice is the same for every draw: it reads the prefill
+                r = row(method, method, a.block_size, Sampled([x.decode for x in runs]),
+                        sum(x.policy_seconds for x in runs) / len(runs))
                 r.update(step_rule=a.step_rule, policy_block_size=a.policy_block_size, policy_action=a.policy_action)
                 if method == "adaptive":  # the policy on raw logits, beside the folded (serving) form's choice
                     r["unfolded_action"] = self.unfolded.choose(state)[0].name if self.unfolded is not None else None
                 rows.append(r)
             for method, (b, res) in steps.items():
-                rows.append({**row(rec, method, PER_STEP, b, res, p, None, ref), "step_rule": self.rule_methods[method],
+                rows.append({**row(method, PER_STEP, b, res), "step_rule": self.rule_methods[method],
                              "simulated_equals_decoded": check.get(method),
                              "per_step_oracle_seconds": check.get("oracle") if method == PER_STEP else None})
             best = oracle_block_size(cands, fixed, self.cost_profile)
-            rows.append(row(rec, "oracle", "oracle", best, fixed[best], p, None, ref))
+            rows.append(row("oracle", "oracle", best, fixed[best]))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
-                "max_new_tokens": self.cfg.decode.max_new_tokens}
+                "max_new_tokens": self.cfg.decode.max_new_tokens, "samples": self.samples}
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))
 
     def per_step_check(self, ids, steps) -> Dict[str, Any]:
@@ -235,7 +267,7 @@ class EvaluateStage(DecodingStage):
         bm = int(self.step_rule["max_block_size"])
         trace = replay_label_prompt(self.engine, ids, [bm], self.cfg.decode.max_new_tokens,
                                     trace_block_size=bm).trace
-        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.verified for m, (_, res) in steps.items()}
+        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.runs[0].verified for m, (_, res) in steps.items()}
         costs = [self.cost_profile.step_seconds(bm, k) for k in range(1, bm)]
         out["oracle"] = self.cost_profile.decode_seconds(per_step_oracle(trace, costs), bm, rule=True,
                                                          context=int(ids.shape[1]))
@@ -254,6 +286,8 @@ class EvaluateStage(DecodingStage):
                         "train_chosen_b": train_chosen_b(self.policy_info)})
         summary["comparisons"] = comparisons(results, summary, self.policy_info)
         summary["folded_policy"] = folded_agreement(results)
+        summary["samples"] = self.samples
+        summary["distribution"] = distribution_summary(results, self.methods)
         summary["cost_model"] = cost_check(results, summary) if profile is not None else {}
         kinds = ("modelled", "wall") if profile is not None else ("wall",)
         summary["headline"] = headlines(results, summary, self.policy_info, kinds, self.step_rule, self.rule_fallback)

@@ -88,7 +88,8 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
                                  f"b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
             got = evaluate_at_load(batched, prompts, c, choosers, list(baselines.values()),
                                    cfg.evaluate.load_repeats, cfg.decode.max_new_tokens, load_cost, cfg.decode.seed,
-                                   log=log("evaluate").debug)
+                                   log=log("evaluate").debug, temperature=cfg.decode.temperature,
+                                   top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
             rows += got
             summaries[str(c)] = load_summary(got, c, baselines)
             for line in render_load(summaries[str(c)]):

@@ -155,7 +155,8 @@ RESULT_COLUMNS = [
     ("prefill_seconds", pa.float32(), "Wall seconds of the shared prefill."),
     ("policy_seconds", pa.float32(), "The policy MLP's latency in its serving form (adaptive and policy rows)."),
     ("matches_autoregressive", pa.bool_(), "T = 0: output ids equal the target's own plain greedy decoding (an "
-     "independent loop, no draft, no engine), so false means a lossless-decoding bug; T > 0: equal the AR row's."),
+     "independent loop, no draft, no engine), so false means a lossless-decoding bug; null at T > 0, where draws "
+     "differ and `pit` checks them by distribution."),
     ("worker", pa.string(), "Which worker decoded the prompt."),
     ("step_rule", pa.string(), "The per-step verify rule decoded with (pipeline.policy.step_rules): tune's on per-step "
      "rows and on adaptive rows it decoded, the policy's own on adaptive and policy rows where it chose a rule action; "
@@ -177,6 +178,12 @@ RESULT_COLUMNS = [
      "trace: pipeline.policy.simulate.per_step_oracle), which no rule can beat under the cost model. Null elsewhere."),
     ("simulated_equals_decoded", pa.bool_(), "per-step, threshold and learned rows at T = 0: the simulator, run on "
      "this prompt's trace, gives this decode's per-step verify lengths. Null elsewhere."),
+    ("samples", pa.int16(), "Decodes pooled in the row: evaluate.samples sampled draws (seeds decode.seed + r) at T > "
+     "0, 1 at T = 0; tau, steps, new_tokens and the seconds are over all of them."),
+    ("pit", pa.list_(pa.float32()), "T > 0: every generated token's randomized probability integral transform under "
+     "the target's own sampling distribution at its prefix, over the row's draws (pipeline.evaluation.distribution): "
+     "Uniform(0, 1) when the method samples exactly as the target; evaluate tests each method's pooled values "
+     "(summary.json `distribution`). Null at T = 0."),
 ]
 RESULTS_SCHEMA = pa.schema([(n, t) for n, t, _ in RESULT_COLUMNS])
 

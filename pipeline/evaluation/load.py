@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 
 ADAPTIVE = "adaptive"
 
@@ -97,10 +98,11 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
 
 def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[str, Callable], baselines: Sequence[str],
                      repeats: int, max_new_tokens: int, load_cost=None, seed: int = 0,
-                     log: Callable[[str], None] = lambda s: None) -> List[Dict[str, Any]]:
+                     log: Callable[[str], None] = lambda s: None, **sampling) -> List[Dict[str, Any]]:
     """Rows for every method of ``choosers`` ({method: choose(i, logits, hidden)}) at concurrency c. Methods whose
     choices coincide for every request share one decode (the first named); ``baselines`` and ``adaptive`` are
-    timed ``repeats`` times, the rest once."""
+    timed ``repeats`` times, the rest once. ``sampling``: temperature, top_p, top_k as the engine takes them; at
+    T > 0 each repeat draws afresh (torch's generator seeded ``seed`` + repeat)."""
     choices = _choices(batched, prompts, choosers)
     distinct: Dict[str, str] = {}  # method -> the method whose decode it is
     for m in choosers:
@@ -113,7 +115,9 @@ def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[s
         order = [m for m in timed if rep == 0 or m in repeated]
         order = [order[i] for i in rng.permutation(len(order))]
         t0 = time.perf_counter()
-        runs = batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in order], prompts, c, max_new_tokens)
+        torch.manual_seed(seed + rep)
+        runs = batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in order], prompts, c, max_new_tokens,
+                                    **sampling)
         for m, run in zip(order, runs):
             rows.append(run_row(c, m, rep, run, load_cost))
         log(f"c={c} repeat {rep + 1}/{repeats}: {len(order)} methods in lockstep ({time.perf_counter() - t0:.1f} s): "

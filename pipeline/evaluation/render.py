@@ -29,7 +29,8 @@ def render_markdown(s: Dict[str, Any]) -> str:
                                   ("lossless", "Share of prompts whose output equals autoregressive output", "")):
         out += [f"## {title}", "", "| method | " + " | ".join(cols) + " |",
                 "| --- |" + " ---: |" * len(cols)]
-        if metric not in s["tables"]:
+        if metric not in s["tables"] or not any(v is not None for vals in s["tables"][metric].values()
+                                                for v in vals.values()):
             out = out[:-4]
             continue
         for m in s["methods"]:
@@ -72,6 +73,7 @@ def render_markdown(s: Dict[str, Any]) -> str:
                 for ds, c in s["adaptive_choices_per_set"].items()]
         out.append("")
     out += render_rules(headline)
+    out += render_distribution(s.get("distribution") or {}, s.get("samples", 1))
     out += render_cost_model(s.get("cost_model") or {})
     if s.get("folded_policy"):
         f = s["folded_policy"]
@@ -114,6 +116,23 @@ def render_rules(headline: Dict[str, Any]) -> List[str]:
     return out + [""]
 
 
+def render_distribution(d: Dict[str, Any], samples: int) -> List[str]:
+    """summary.md's check of the outputs at T > 0 (pipeline.evaluation.distribution); none at T = 0."""
+    if not d:
+        return []
+    out = ["## Output distribution at T > 0: every token against the target's own sampling distribution", "",
+           f"Each row pools {samples} sampled draw(s) per prompt. The randomized PIT of every generated token under "
+           "the target's distribution at its prefix is Uniform(0, 1) exactly when a method samples as the target "
+           f"does; chi-square over {d['bins']} equal bins, a method fails below p = {d['alpha']}. "
+           + ("Every method passes." if d["all_pass"] else f"FAILING: {', '.join(d['failing'])}."), "",
+           "| method | tokens | chi2 | p-value | passes |", "| --- | ---: | ---: | ---: | --- |"]
+    for m, v in d["methods"].items():
+        p = "-" if v["p_value"] is None else f"{v['p_value']:.3g}"
+        out.append(f"| {m} | {v['tokens']} | {_fmt(v['chi2'], 1)} | {p} | "
+                   f"{'-' if v['passes'] is None else ('yes' if v['passes'] else 'NO')} |")
+    return out + [""]
+
+
 def render_cost_model(c: Dict[str, Any]) -> List[str]:
     """summary.md's table of pipeline.evaluation.cost_check: modelled / measured decode seconds per method (none
     without a cost profile)."""
@@ -144,7 +163,8 @@ def render_csv(s: Dict[str, Any]) -> str:
     cols = [*s["datasets"], "average"]
     lines = ["metric,method," + ",".join(cols)]
     for metric in ("tau", "speedup", "modelled_speedup"):
-        if metric not in s["tables"]:
+        if metric not in s["tables"] or not any(v is not None for vals in s["tables"][metric].values()
+                                                for v in vals.values()):
             continue
         for m in s["methods"]:
             vals = s["tables"][metric].get(m, {})
@@ -161,5 +181,12 @@ def results_card(methods: Sequence[str]) -> str:
 
 def summary_lines(summary: Dict[str, Any], methods: Sequence[str]) -> List[str]:
     speed = summary["tables"]["speedup"]
-    return ["average speedup vs AR: " + ", ".join(
+    out = ["average speedup vs AR: " + ", ".join(
         f"{m} {_fmt(speed[m].get('average'), 2, 'x')}" for m in methods) + " (tables: summary.md)"]
+    d = summary.get("distribution")
+    if d:
+        worst = min((v["p_value"] for v in d["methods"].values() if v["p_value"] is not None), default=None)
+        out.append(f"output distribution vs the target's ({summary.get('samples', 1)} draws a prompt): "
+                   + ("every method passes" if d["all_pass"] else f"FAILING {', '.join(d['failing'])}")
+                   + f" (lowest p {_fmt(worst, 3)}, fails below {d['alpha']})")
+    return out

@@ -84,6 +84,7 @@ def validate(cfg) -> None:
     _check(bool(ev.concurrency) and set(ev.concurrency) <= set(pr.concurrency), "evaluate.concurrency",
            f"every c must be in profile.concurrency {list(pr.concurrency)} (its cost model is measured there)")
     _check(ev.load_repeats >= 1, "evaluate.load_repeats", "must be >= 1")
+    _check(ev.samples >= 1, "evaluate.samples", "must be >= 1")
     _check(cfg.train.n_layers >= 1, "train.n_layers", "must be >= 1")
     _check(cfg.train.epochs >= 1, "train.epochs", "must be >= 1")
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")

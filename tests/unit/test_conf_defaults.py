@@ -95,9 +95,16 @@ def test_every_published_config_loads(name):
     assert cfg.output_dir == f"runs/published/{name}"
 
 
-def test_published_configs_are_the_five_shipped():
+def test_published_configs_are_the_six_shipped():
     assert sorted(published_configs()) == ["llama3.1-8b-instruct", "qwen3-4b", "qwen3-4b-t1", "qwen3-8b",
-                                           "qwen3-coder-30b-a3b"]
+                                           "qwen3-coder-30b-a3b", "tiny-t1"]
+
+
+def test_the_tiny_pair_at_t_1_is_the_default_sampled_with_its_own_counts():
+    t1, t0 = load_config(config_file="published:tiny-t1"), load_config()
+    assert (t1.decode.temperature, t1.train.tau_column, t1.evaluate.samples) == (1.0, "tau_expected", 2)
+    assert t1.prepare.limit < t0.prepare.limit and t1.evaluate.limit < t0.evaluate.limit
+    assert (t1.model, t1.prepare.sources, t1.evaluate.sources) == (t0.model, t0.prepare.sources, t0.evaluate.sources)
 
 
 def test_the_papers_own_setting_is_its_recipe_at_t_1():

@@ -57,3 +57,21 @@ def test_methods_serve_the_same_tokens_and_equal_choices_share_a_decode(batched)
     assert h["measured"]["gain"] == pytest.approx(sum(a) / sum(b) - 1) and h["measured"]["repeats"] == 2
     assert s["cost_model"]["mean_abs_speedup_error"] is None  # no cost model given: nothing modelled
     assert any("adaptive vs b*(c) (b=4)" in line for line in render_load(s))
+
+
+def test_the_pass_at_load_samples_at_the_configured_temperature(batched):
+    """At T = 1 the pass at load decodes by rejection sampling (the tiny pair accepts far less than at T = 0), and
+    each repeat draws afresh."""
+    m, engine = batched
+    prompts = [m.tokenizer(t)["input_ids"] for t in ["def parse(self, text):", "In the beginning God created",
+                                                       "Let x be the number of apples", "The quick brown fox"]]
+
+    def per_step(temperature):
+        rows = evaluate_at_load(engine, prompts, 2, {"b=6": fixed(6)}, ["b=6"], repeats=2, max_new_tokens=24,
+                                temperature=temperature)
+        return [r["new_tokens"] / r["steps"] for r in rows]
+
+    greedy, sampled = per_step(0.0), per_step(1.0)
+    assert greedy[0] == greedy[1]  # T = 0: the repeats decode the same tokens
+    assert sampled[0] != sampled[1]
+    assert max(sampled) < min(greedy) - 0.5, (greedy, sampled)

@@ -161,6 +161,19 @@ def eval_section(eval_dir: Path, out: Path) -> List[str]:
     ax.legend(fontsize=8)
     _save(fig, out / "speedup.png")
     md += ["![speedup per dataset and method](speedup.png)", ""]
+    dist = (s.get("distribution") or {}).get("methods")
+    if dist:  # T > 0: the share of each method's tokens per PIT bin, flat at 1 / bins when it samples as the target
+        fig, ax = plt.subplots(figsize=(6.5, 3.6))
+        for m, v in dist.items():
+            bins = len(v["histogram"])
+            ax.plot((np.arange(bins) + 0.5) / bins, np.asarray(v["histogram"]) * bins, marker=".", linewidth=0.8,
+                    label=m)
+        ax.axhline(1.0, color="black", linewidth=1.2)
+        ax.set(xlabel="PIT of the token under the target's sampling distribution", ylabel="density (1 = exact)",
+               title="Output distribution at T > 0, per method")
+        ax.legend(fontsize=6, ncol=3)
+        _save(fig, out / "distribution.png")
+        md += ["![output distribution per method](distribution.png)", ""]
     return md
 
 

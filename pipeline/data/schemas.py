@@ -94,14 +94,16 @@ LABEL_COLUMNS: List[tuple] = [
      "with it."),
     ("tau", pa.list_(pa.float32()), "Acceptance length at each candidate: mean tokens committed per verify step, "
      "bonus token included (>= 1). A generation with no verify step (first token is a stop token, or "
-     "max_new_tokens = 1) has tau = 1 and steps = 0."),
+     "max_new_tokens = 1) has tau = 1 and steps = 0. At T > 0 one sampled decode per candidate (the paper's "
+     "label: one draw; `tau_expected` is the same decode's expectation)."),
     ("steps", pa.list_(pa.int32()), "Verify steps (target forwards after prefill) at each candidate."),
     ("new_tokens", pa.list_(pa.int32()), "Tokens generated at each candidate (first token included). At T = 0 equal "
      "across candidates (lossless decoding)."),
     ("decode_seconds", pa.list_(pa.float32()), "Wall seconds of the decode at each candidate on the labelling "
      "hardware (replay mode: the draft replay plus the shared target decode's seconds at B; batched replay, "
      "metadata `blockpilot.label_batch_size` > 1: an equal share of the row's share of its batch; see metadata)."),
-    ("label_block_size", pa.int16(), "argmax over candidates of tau; ties go to the smaller block size."),
+    ("label_block_size", pa.int16(), "argmax over candidates of tau; ties go to the smaller block size. At T > 0 "
+     "the one-draw label; train.tau_column=tau_expected takes the argmax of `tau_expected` instead."),
     ("label_index", pa.int16(), "Index of label_block_size in `candidates` (the class index for training)."),
     ("label_speedup_block_size", pa.int16(), "Cost-aware label: argmax over b of tau(b) / cost(b), where cost(b) is "
      "the per-step draft + verify latency at b of the worker's cost profile, measured once at start-up (metadata "

@@ -7,7 +7,7 @@ policy on that column (``train.tau_column``) and evaluates it with the run's own
 the train-chosen b, adaptive's speedup over autoregressive decoding and its gain over the train-chosen b, measured
 (wall clock, R sampled draws a prompt) and modelled, each with its 95 % interval over prompts.
 
-    python benchmarks/t1_estimators.py runs/published/tiny-t1 --config published:tiny-t1 --out runs/t1-estimators
+    python benchmarks/t1_estimators.py runs/published/tiny-t1 --reuse tau_expected --out runs/t1-estimators
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="published:tiny-t1", help="the run's -c config")
     ap.add_argument("--out", type=Path, default=Path("runs/t1-estimators"))
     ap.add_argument("--columns", default="tau,tau_expected")
+    ap.add_argument("--reuse", default=None, help="the column the run itself trained on: its evaluation is read "
+                    "from the run instead of redone")
     a = ap.parse_args(argv)
-    results = {c: trained_and_evaluated(a.run, a.out / c, a.config, c) for c in a.columns.split(",")}
+    results = {c: json.loads((a.run / "eval" / "summary.json").read_text()) if c == a.reuse else
+               trained_and_evaluated(a.run, a.out / c, a.config, c) for c in a.columns.split(",")}
     first = next(iter(results.values()))
     print(f"\n{sum(first['prompts'].values())} held-out prompts x {first.get('samples', 1)} sampled draws; "
           f"distribution check: " + ", ".join(f"{c} {'passes' if s['distribution'].get('all_pass') else 'FAILS'}"

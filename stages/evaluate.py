@@ -29,6 +29,7 @@ from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, default_fixed_bl
 from pipeline.evaluation.render import render_csv, render_markdown, results_card, summary_lines
 from pipeline.evaluation.distribution import distribution_summary
 from pipeline.evaluation.results import Sampled, result_row, with_modelled_time
+from pipeline.runtime.seeds import draw_seed
 from pipeline.evaluation.summary import folded_agreement, summarize
 from pipeline.io.layout import COST_PROFILE, POLICY_FILES, POLICY_META, RunLayout
 from pipeline.executor.folder import require_complete
@@ -190,7 +191,7 @@ class EvaluateStage(DecodingStage):
         """Draws per prompt x method: evaluate.samples at T > 0; one at T = 0 (every draw would be the same)."""
         return self.cfg.evaluate.samples if self.cfg.decode.temperature > 0 else 1
 
-    def pit(self, res: Sampled, prompt: int) -> Optional[List[float]]:
+    def pit(self, res: Sampled, prompt_id: str) -> Optional[List[float]]:
         """At T > 0 the distribution check's values of every token of every draw (None at T = 0)."""
         d = self.cfg.decode
         if d.temperature <= 0:
@@ -199,17 +200,18 @@ class EvaluateStage(DecodingStage):
 
         return [u for r, run in enumerate(res.runs) for u in pit_values(
             self.models.target, run.output_ids, run.num_input_tokens, d.temperature, d.top_p, d.top_k,
-            seed=(d.seed + 7919 * prompt + r) % 2**63)]
+            seed=draw_seed(d.seed, prompt_id, r, "pit"))]
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         kw, cands = self.decode_kwargs(), self.candidates
         seed = kw.pop("seed")
-        seeds = [seed + r for r in range(self.samples)]
-
-        def draws(decode):  # decode(seed) for every draw's seed
-            return [decode(s) for s in seeds]
 
         def measure(rec):
+            seeds = [draw_seed(seed, rec["prompt_id"], r) for r in range(self.samples)]
+
+            def draws(decode):  # decode(seed) for every draw of this prompt
+                return [decode(s) for s in seeds]
+
             ids = self.input_ids(rec)
             state = self.engine.prefill(ids)
             ar = Sampled(draws(lambda s: self.engine.decode(state, block_size=1, seed=s, **kw)))
@@ -227,13 +229,12 @@ class EvaluateStage(DecodingStage):
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids"])
         rows: List[Dict[str, Any]] = []
-        for i, (rec, (state, ar, fixed, ad, steps, ref, check)) in enumerate(
-                self.each_prompt(input, table, rejects, measure)):
+        for rec, (state, ar, fixed, ad, steps, ref, check) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
 
             def row(method, kind, b, res, policy_s=None):
                 return result_row(rec, method, kind, b, res, p, policy_s, ref, self.worker.identity,
-                                  self.cost_profile, self.pit(res, i))
+                                  self.cost_profile, self.pit(res, rec["prompt_id"]))
 
             rows.append(row("AR", "autoregressive", 1, ar))
             rows += [row(f"b={b}", "fixed", b, fixed[b]) for b in self.fixed]

@@ -139,6 +139,7 @@ class LabelStage(DecodingStage):
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labelling import labels as labeling
+        from pipeline.runtime.seeds import draw_seed
 
         label_fn = labeling.replay_label_prompt if self.mode == "replay" else labeling.label_prompt
         kw = {**self.decode_kwargs(), "trace_block_size": self.trace_block_size}
@@ -148,8 +149,10 @@ class LabelStage(DecodingStage):
         def measure(rec):
             if batches is not None:
                 out = batches(rec)  # raises this prompt's own error, so each_prompt rejects it alone
-            else:
-                out = label_fn(self.engine, self.input_ids(rec), self.candidates, step_cost=self.step_cost, **kw)
+            else:  # at T > 0 each prompt its own stream (pipeline.runtime.seeds), shared by its candidates
+                seed = draw_seed(kw["seed"], rec["prompt_id"], 0) if self.cfg.decode.temperature > 0 else kw["seed"]
+                out = label_fn(self.engine, self.input_ids(rec), self.candidates, step_cost=self.step_cost,
+                               **{**kw, "seed": seed})
             logits = labeling.logits_to_numpy(out.logits, self.precision)
             if not np.isfinite(logits).all():
                 raise FloatingPointError(f"non-finite prefill logits ({self.precision} overflow or NaN)")

@@ -180,8 +180,9 @@ RESULT_COLUMNS = [
      "trace: pipeline.policy.simulate.per_step_oracle), which no rule can beat under the cost model. Null elsewhere."),
     ("simulated_equals_decoded", pa.bool_(), "per-step, threshold and learned rows at T = 0: the simulator, run on "
      "this prompt's trace, gives this decode's per-step verify lengths. Null elsewhere."),
-    ("samples", pa.int16(), "Decodes pooled in the row: evaluate.samples sampled draws (seeds decode.seed + r) at T > "
-     "0, 1 at T = 0; tau, steps, new_tokens and the seconds are over all of them."),
+    ("samples", pa.int16(), "Decodes pooled in the row: evaluate.samples sampled draws (seeds: "
+     "pipeline.runtime.seeds.draw_seed) at T > 0, 1 at T = 0; tau, steps, new_tokens and the seconds are over "
+     "all of them."),
     ("pit", pa.list_(pa.float32()), "T > 0: every generated token's randomized probability integral transform under "
      "the target's own sampling distribution at its prefix, over the row's draws (pipeline.evaluation.distribution): "
      "Uniform(0, 1) when the method samples exactly as the target; evaluate tests each method's pooled values "

@@ -245,8 +245,9 @@ class EvaluateConfig:
     concurrency: List[int] = field(default_factory=lambda: [1, 16])
     # Timed repeats at c > 1 of adaptive and its two baselines (b*(c), b*(1)), interleaved; other methods run once.
     load_repeats: int = 5
-    # At T > 0: sampled decodes per prompt x method (seeds decode.seed + r), pooled in one result row, so that a
-    # prompt's speed is measured over draws and every token is checked by distribution; ignored at T = 0.
+    # At T > 0: sampled decodes per prompt x method (seeds: pipeline.runtime.seeds.draw_seed), pooled in one
+    # result row, so that a prompt's speed is measured over draws and every token is checked by distribution;
+    # ignored at T = 0.
     samples: int = 1
 
 

@@ -30,8 +30,8 @@ def check(tiny, block_size, seeds=SEEDS):
     u = []
     for i, text in enumerate(PROMPTS):
         state = engine.prefill(torch.tensor([m.tokenizer(text)["input_ids"]]))
-        for s in range(seeds):
-            res = engine.decode(state, block_size=block_size, max_new_tokens=NEW, temperature=1.0, seed=s)
+        for s in range(seeds):  # every (prompt, draw) its own stream: one seed for all prompts repeats the draws
+            res = engine.decode(state, block_size=block_size, max_new_tokens=NEW, temperature=1.0, seed=1000 * i + s)
             u.extend(pit_values(m.target, res.output_ids, res.num_input_tokens, 1.0, 1.0, 0, seed=100 * i + s))
     return uniformity(u)
 
@@ -55,8 +55,8 @@ def resample_from_p(draft_tokens, target_probs, draft_probs, draft_indices=None)
     return accepted, _sample_probs(target_probs[:, accepted])[0]
 
 
-# The wrong correction only touches the token after a rejection: it needs more draws to show (p ~ 3e-4 at 3 seeds,
-# ~1e-5 at 8) than accepting everything does (p ~ 1e-131 at 3).
+# The wrong correction only touches the token after a rejection: it needs more draws to show (p ~ 0.3 at 3 draws a
+# prompt, ~5e-8 at 8) than accepting everything does (p ~ 4e-89 at 3).
 @pytest.mark.parametrize("sampler, seeds", [(accept_all, SEEDS), (resample_from_p, 8)])
 def test_a_biased_sampler_fails(tiny, monkeypatch, sampler, seeds):
     monkeypatch.setattr(engine_module, "_rejection_sample", sampler)
@@ -87,3 +87,12 @@ def test_the_batched_engine_samples_the_targets_distribution(tiny):
          for x in pit_values(m.target, r.decode.output_ids, r.decode.num_input_tokens, 1.0, 1.0, 0, seed=i)]
     out = uniformity(u)
     assert out["tokens"] == len(prompts) * NEW and out["passes"], out
+
+
+def test_each_prompt_draws_its_own_stream_and_a_draw_is_reproducible():
+    from pipeline.runtime.seeds import draw_seed
+
+    seeds = {draw_seed(0, f"p{i}", r) for i in range(50) for r in range(4)}
+    assert len(seeds) == 200 and all(0 <= s < 2**63 for s in seeds)
+    assert draw_seed(0, "p1", 2) == draw_seed(0, "p1", 2) != draw_seed(1, "p1", 2)
+    assert draw_seed(0, "p1", 0) != draw_seed(0, "p1", 0, "pit")

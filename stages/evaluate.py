@@ -15,7 +15,7 @@ summary, the headline against the train-chosen fixed b, the cost model's check a
 from __future__ import annotations
 
 import json
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
@@ -139,7 +139,9 @@ class EvaluateStage(DecodingStage):
                                                          for k in ("rule", "max_block_size", "gain")},
                 "verify_model_sha256": file_sha256(self.layout.verify_model)
                 if self.step_rule is not None and self.layout.verify_model.exists() else None,
-                "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST)}
+                "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST),
+                # only where it is not 1, so that a T = 0 folder made before the key existed still resumes
+                **({"samples": self.samples} if self.samples > 1 else {})}
 
     def describe(self) -> str:
         return f"methods {self.methods}"
@@ -268,7 +270,8 @@ class EvaluateStage(DecodingStage):
         bm = int(self.step_rule["max_block_size"])
         trace = replay_label_prompt(self.engine, ids, [bm], self.cfg.decode.max_new_tokens,
                                     trace_block_size=bm).trace
-        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.runs[0].verified for m, (_, res) in steps.items()}
+        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.runs[0].verified
+                               for m, (_, res) in steps.items()}
         costs = [self.cost_profile.step_seconds(bm, k) for k in range(1, bm)]
         out["oracle"] = self.cost_profile.decode_seconds(per_step_oracle(trace, costs), bm, rule=True,
                                                          context=int(ids.shape[1]))

@@ -234,12 +234,13 @@ class EvaluateStage(DecodingStage):
         for rec, (state, ar, fixed, ad, steps, ref, check) in self.each_prompt(input, table, rejects, measure):
             p = state.prefill_seconds
 
-            def row(method, kind, b, res, policy_s=None):
+            def row(method, kind, b, res, policy_s=None, pit=None):
                 return result_row(rec, method, kind, b, res, p, policy_s, ref, self.worker.identity,
-                                  self.cost_profile, self.pit(res, rec["prompt_id"]))
+                                  self.cost_profile, pit if pit is not None else self.pit(res, rec["prompt_id"]))
 
             rows.append(row("AR", "autoregressive", 1, ar))
-            rows += [row(f"b={b}", "fixed", b, fixed[b]) for b in self.fixed]
+            fixed_rows = {b: row(f"b={b}", "fixed", b, fixed[b]) for b in self.fixed}
+            rows += fixed_rows.values()
             for method, runs in ad.items():
                 a = runs[0]  # the policy's choice is the same for every draw: it reads the prefill
                 r = row(method, method, a.block_size, Sampled([x.decode for x in runs]),
@@ -253,7 +254,7 @@ class EvaluateStage(DecodingStage):
                              "simulated_equals_decoded": check.get(method),
                              "per_step_oracle_seconds": check.get("oracle") if method == PER_STEP else None})
             best = oracle_block_size(cands, fixed, self.cost_profile)
-            rows.append(row("oracle", "oracle", best, fixed[best]))
+            rows.append(row("oracle", "oracle", best, fixed[best], pit=fixed_rows.get(best, {}).get("pit")))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
                 "max_new_tokens": self.cfg.decode.max_new_tokens, "samples": self.samples}
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))

@@ -14,6 +14,11 @@ def _fmt(v: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "-" if v is None else f"{v:.{digits}f}{suffix}"
 
 
+def _has_values(s: Dict[str, Any], metric: str) -> bool:
+    """Whether the summary's table ``metric`` exists and holds a value (``lossless`` is all null at T > 0)."""
+    return any(v is not None for vals in s["tables"].get(metric, {}).values() for v in vals.values())
+
+
 def render_markdown(s: Dict[str, Any]) -> str:
     cols = [*s["datasets"], "average"]
     out = ["# Evaluation", "",
@@ -29,8 +34,7 @@ def render_markdown(s: Dict[str, Any]) -> str:
                                   ("lossless", "Share of prompts whose output equals autoregressive output", "")):
         out += [f"## {title}", "", "| method | " + " | ".join(cols) + " |",
                 "| --- |" + " ---: |" * len(cols)]
-        if metric not in s["tables"] or not any(v is not None for vals in s["tables"][metric].values()
-                                                for v in vals.values()):
+        if not _has_values(s, metric):
             out = out[:-4]
             continue
         for m in s["methods"]:
@@ -163,8 +167,7 @@ def render_csv(s: Dict[str, Any]) -> str:
     cols = [*s["datasets"], "average"]
     lines = ["metric,method," + ",".join(cols)]
     for metric in ("tau", "speedup", "modelled_speedup"):
-        if metric not in s["tables"] or not any(v is not None for vals in s["tables"][metric].values()
-                                                for v in vals.values()):
+        if not _has_values(s, metric):
             continue
         for m in s["methods"]:
             vals = s["tables"][metric].get(m, {})

@@ -41,23 +41,18 @@ class Sampled:
         steps = self.steps
         return sum(sum(r.committed) for r in self.runs) / steps if steps else 1.0
 
-    @property
-    def step_rule(self) -> Optional[dict]:
-        return self.runs[0].step_rule
-
 MODELLED_TPOT = "modelled_time_per_output_token"
 
 
-def modelled_seconds(cost_profile: Optional[Any], b: int, res: Any) -> Optional[float]:
+def modelled_seconds(cost_profile: Optional[Any], b: int, res: Sampled) -> Optional[float]:
     """Modelled decode seconds (pipeline.policy.cost.CostProfile.decode_seconds): per step, the draft's pass and
     the verify over what was sent (a plain step at b: cost(b), less at the max_new_tokens cut; a per-step rule's
     step: the draft at b_max, the rule's own work, the verify over what it sent), plus the first step's extra
     after this prompt. None without a profile."""
     if cost_profile is None:
         return None
-    runs = res.runs if isinstance(res, Sampled) else [res]
     return sum(cost_profile.decode_seconds(r.verified, b, rule=r.step_rule is not None, context=r.num_input_tokens)
-               for r in runs)
+               for r in res.runs)
 
 
 def result_row(rec: Dict[str, Any], method: str, kind: str, b: int, res: Sampled, prefill_s: float,

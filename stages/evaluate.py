@@ -86,8 +86,10 @@ class EvaluateStage(DecodingStage):
 
     @cached_property
     def fixed(self) -> List[int]:
-        return sorted(self.cfg.evaluate.fixed_block_sizes or default_fixed_block_sizes(self.block_size,
-                                                                                       self.candidates))
+        fixed = self.cfg.evaluate.fixed_block_sizes
+        if fixed is None:
+            return default_fixed_block_sizes(self.block_size, self.candidates)
+        return sorted({int(b) for b in fixed} | set(self.candidates))
 
     @cached_property
     def step_rule(self) -> Optional[Dict[str, Any]]:

@@ -1,6 +1,6 @@
 """profile: the cost model alone (pipeline/policy/cost.py) -> ``cost_profile.json``, e.g. on a serving machine.
 
-Seconds per decode step at every b in 1..2B (draft forward and target verify timed apart, at a few context
+Seconds per decode step at every b in 1..the largest the run decodes (draft forward and target verify timed apart, at a few context
 lengths, warmed up and repeated until stable), the affine fit and the raw points. Train takes it as
 ``train.cost_profile=PATH`` to label for that machine; label measures the same once per worker by itself.
 """
@@ -18,7 +18,8 @@ from pipeline.io.storage import location
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     import torch
 
-    from pipeline.policy.cost import FILENAME
+    from pipeline.labelling.labels import candidate_block_sizes
+    from pipeline.policy.cost import FILENAME, largest_decoded_block_size
     from pipeline.decoding.load_profile import profile_with_load
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models, model_revision
@@ -34,9 +35,11 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     B = trained_block_size(cfg)
     revisions = {"target_revision": model_revision(m.target, m.target_revision),
                  "draft_revision": model_revision(m.draft, m.draft_revision)}
-    log("profile").info(f"timing draft and verify per step at b = 1..{cfg.profile.max_block_size or 2 * B} on "
+    candidates = candidate_block_sizes(B, cfg.label.k)  # what label would profile
+    top = cfg.profile.max_block_size or largest_decoded_block_size(cfg, B, candidates)
+    log("profile").info(f"timing draft and verify per step at b = 1..{top} on "
                         f"{models.device}/{str(models.dtype).replace('torch.', '')}")
-    profile = profile_with_load(engine, cfg, B, (), {**revisions, "worker": "profile"})
+    profile = profile_with_load(engine, cfg, B, candidates, {**revisions, "worker": "profile"})
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     f = profile.fit

@@ -392,12 +392,21 @@ def profile_block_sizes(trained_block_size: int, candidates: Sequence[int] = ())
     return sorted(set(range(1, 2 * int(trained_block_size) + 1)) | {int(b) for b in candidates})
 
 
+def largest_decoded_block_size(cfg, trained_block_size: int, candidates: Sequence[int] = ()) -> int:
+    """The largest b a run of ``cfg`` decodes or models: the candidates, the trace b_max (label.trace_block_size,
+    None = B + B // 4) and evaluate's fixed block sizes (None = the paper's set, up to 2B)."""
+    B = int(trained_block_size)
+    fixed = cfg.evaluate.fixed_block_sizes
+    return max([*map(int, candidates), cfg.label.trace_block_size or B + B // 4,
+                *(map(int, fixed) if fixed is not None else [2 * B])])
+
+
 def profile_for(engine, cfg, trained_block_size: int, candidates: Sequence[int] = (),
                 meta: Optional[Dict[str, Any]] = None) -> CostProfile:
-    """The profile the config asks for (``cfg.profile``) on this engine: b in 1..profile.max_block_size (default
-    2B) plus every candidate."""
+    """The profile the config asks for (``cfg.profile``) on this engine: b in 1..profile.max_block_size (None: the
+    largest b the run decodes, :func:`largest_decoded_block_size`) plus every candidate."""
     p = cfg.profile
-    top = p.max_block_size or 2 * int(trained_block_size)
+    top = p.max_block_size or largest_decoded_block_size(cfg, trained_block_size, candidates)
     sizes = sorted(set(range(1, top + 1)) | {int(b) for b in candidates})
     vocab = int(engine.target.get_output_embeddings().weight.shape[0])
     m = cfg.model

@@ -120,7 +120,7 @@ class PrepareConfig:
     # Prompts per shard: the unit of labelling work, retry and resume.
     shard_size: int = 64
     # Cap on prompts taken from each source (None = all); per-source `limit` wins when smaller.
-    limit: Optional[int] = 208
+    limit: Optional[int] = 104
     # Wrap each prompt in the tokenizer's chat template (as a single user turn).
     apply_chat_template: bool = True
 
@@ -149,7 +149,8 @@ class ProfileConfig:
 
     # Where `blockpilot profile` writes cost_profile.json; None = output_dir/cost_profile.json.
     output: Optional[str] = None
-    # Largest b measured; None = 2B.
+    # Largest b measured; None = the largest b the run decodes: the candidates, the trace b_max and evaluate's fixed
+    # block sizes (2B when those are the paper's set).
     max_block_size: Optional[int] = None
     # Prompt lengths (tokens) the steps are timed after; the model is their mean.
     context_lengths: List[int] = field(default_factory=lambda: [64, 256])
@@ -158,13 +159,13 @@ class ProfileConfig:
     # Rounds (every b once per round, shuffled): at least min_repeats, then until the fitted cost of every b moves
     # by less than rel_tol in one round, at most max_repeats.
     min_repeats: int = 3
-    max_repeats: int = 5
+    max_repeats: int = 3
     rel_tol: float = 0.02
     # Concurrencies (streams decoding together) timed on the batched engine, 1 first: c = 1 is the batch-1 profile
     # above, each c > 1 times c streams at every other b (pipeline/decoding/load_profile.py).
     concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])
     # Rounds of the load grid (every (b, c) once per round, shuffled).
-    load_rounds: int = 2
+    load_rounds: int = 1
 
 
 @dataclass
@@ -231,10 +232,11 @@ class EvaluateConfig:
     sources: List[SourceConfig] = field(
         default_factory=lambda: [SourceConfig(name="humaneval", kind="bundled", path="humaneval"), *(
             SourceConfig(name=f"{k}-eval", kind="bundled", path=k, split="eval") for k in KINDS)])
-    # Fixed block sizes to compare; None = {B/4, B/2, B, 2B} plus every candidate.
-    fixed_block_sizes: Optional[List[int]] = None
+    # Fixed block sizes to compare besides every candidate (decoded anyway: the oracle reads them); None = the
+    # paper's {B/4, B/2, B, 2B} too.
+    fixed_block_sizes: Optional[List[int]] = field(default_factory=list)
     # Cap on prompts taken from each evaluation source (None = all); per-source `limit` wins when smaller.
-    limit: Optional[int] = 16
+    limit: Optional[int] = 8
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
     # Use tune's per-step rule: adaptive runs it where the policy answers its fallback b (if tune measured it
@@ -264,7 +266,7 @@ class TuneConfig:
                                                       "threshold:0.01", "threshold:0.02", "threshold:0.05",
                                                       "ema:0.5:1", "learned"])
     # Val prompts decoded to confirm the simulation (the chosen rule, the best of each family, the fixed b).
-    limit: int = 8
+    limit: int = 4
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
 

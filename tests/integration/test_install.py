@@ -98,7 +98,7 @@ def test_installed_cli_from_another_directory_matches_the_checkout(installed, tm
     got = _run([bp, "run", "--print-config"], cwd=tmp_path)
     assert got == checkout
     # default.yaml's values (prepare.limit, evaluate.limit / tune.limit, shard_size): the wheel ships conf/.
-    assert "  limit: 208\n" in got and "  limit: 16\n" in got and "  shard_size: 64\n" in got
+    assert "  limit: 104\n" in got and "  limit: 8\n" in got and "  shard_size: 64\n" in got
 
     published_checkout = _run([sys.executable, "-m", "stages.cli", "prepare", "-c", "published:qwen3-8b",
                                "--print-config"], cwd=REPO)

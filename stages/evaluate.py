@@ -24,7 +24,7 @@ from pipeline.runtime.config import PipelineConfig
 from pipeline.data.schemas import RESULTS_SCHEMA
 from pipeline.evaluation.cost_check import cost_check
 from pipeline.evaluation.headline import comparisons, headlines, train_chosen_b
-from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, default_fixed_block_sizes, methods_for,
+from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, fixed_block_sizes, methods_for,
                                          oracle_block_size)
 from pipeline.evaluation.render import render_csv, render_markdown, results_card, summary_lines
 from pipeline.evaluation.distribution import distribution_summary
@@ -86,10 +86,7 @@ class EvaluateStage(DecodingStage):
 
     @cached_property
     def fixed(self) -> List[int]:
-        fixed = self.cfg.evaluate.fixed_block_sizes
-        if fixed is None:
-            return default_fixed_block_sizes(self.block_size, self.candidates)
-        return sorted({int(b) for b in fixed} | set(self.candidates))
+        return fixed_block_sizes(self.cfg.evaluate.fixed_block_sizes, self.block_size, self.candidates)
 
     @cached_property
     def step_rule(self) -> Optional[Dict[str, Any]]:

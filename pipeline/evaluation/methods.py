@@ -27,6 +27,14 @@ def default_fixed_block_sizes(B: int, candidates: List[int]) -> List[int]:
     return sorted(scaled | set(candidates))
 
 
+def fixed_block_sizes(configured: Optional[Sequence[int]], B: int, candidates: List[int]) -> List[int]:
+    """evaluate.fixed_block_sizes resolved: None = the paper's set and every candidate (:func:`default_fixed_block_sizes`),
+    a list = those and every candidate (decoded anyway: the oracle reads them), so [] = the candidates alone."""
+    if configured is None:
+        return default_fixed_block_sizes(B, candidates)
+    return sorted({int(b) for b in configured} | {int(b) for b in candidates})
+
+
 def methods_for(fixed: List[int], per_step: bool = False, rule_families: Sequence[str] = ()) -> List[str]:
     return ["AR", *[f"b={b}" for b in fixed], "adaptive", *([POLICY_ONLY, PER_STEP, *rule_families] if per_step else []),
             "oracle"]

@@ -363,7 +363,8 @@ def test_evaluate_results_and_summary(run_dir):
     others = [f for f in ("threshold", "learned") if f in rule["families"] and rule["families"][f]["rule"] != rule["rule"]]
     assert methods[0] == "AR" and methods[methods.index("adaptive"):] == ["adaptive", "policy", "per-step", *others,
                                                                            "oracle"]
-    assert {f"b={b}" for b in (2, 4, 6, 7, 8, 9, 10, 16)} <= set(methods)  # {B/4, B/2, B, 2B} + C for B = 8
+    # evaluate.fixed_block_sizes [] (the default): every candidate, and nothing else, as a fixed method
+    assert [m for m in methods if m.startswith("b=")] == [f"b={b}" for b in s["candidates"]]
     assert set(s["datasets"]) == {"humaneval", "stdlib-heldout-eval"}
     assert res.height == 8 * len(methods)  # 4 prompts per dataset x every method
     # T = 0: every method, adaptive included, reproduces the target's own plain greedy decoding (an independent
@@ -667,8 +668,10 @@ def test_each_stage_ends_with_its_done_line_and_a_short_summary(run_dir):
             if st != stage:
                 break
             block.append((st, msg))
-        # evaluate's summary is its table, one line per method (and a header); every other stage's a line or a few
-        most = 2 + len(run_dir[1]["evaluate"]["methods"]) if stage == "evaluate" else 8
+        # evaluate's summary: its average-speedup line, then per load c its "at load" line and table (a header, a
+        # line per method, a line per headline, the cost model's line); every other stage's a line or a few
+        loads = run_dir[1]["evaluate"].get("load", {}).values()
+        most = 2 + sum(3 + len(t["methods"]) + len(t["headline"]) for t in loads) if stage == "evaluate" else 8
         assert 1 <= len(block) <= most and not [m for _, m in block if dump.search(m)], (stage, block)
         if stage != "prepare":  # (evaluate prepares its prompt sets through a prepare stage: a second block later)
             assert own[-1] == first + len(block) - 1, (stage, block, lines[own[-1]])  # nothing after it

@@ -203,3 +203,14 @@ def test_adaptive_decoder_replaces_the_fallback_b_with_the_tuned_rule_and_deviat
     # A classifier (no fallback b) never takes the rule.
     clf = BlockSizePolicy(BlockSizeMLP(m.vocab_size, 5, hidden=64, n_layers=2), [6, 7, 8, 9, 10], m.vocab_size)
     assert AdaptiveDecoder(engine, clf, rf).rule_fallback is None
+
+
+def test_the_profile_reaches_the_largest_b_the_run_decodes():
+    from pipeline.policy.cost import largest_decoded_block_size
+    from pipeline.runtime.config import load_config
+
+    cands = list(range(4, 13))  # B = 8, k = 4
+    assert largest_decoded_block_size(load_config([]), 8, cands) == 12  # the default: the candidates alone
+    assert largest_decoded_block_size(load_config(["evaluate.fixed_block_sizes=null"]), 8, cands) == 16  # 2B
+    assert largest_decoded_block_size(load_config(["label.trace_block_size=14"]), 8, cands) == 14
+    assert largest_decoded_block_size(load_config(["evaluate.fixed_block_sizes=[20]"]), 8, cands) == 20

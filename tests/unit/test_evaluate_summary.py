@@ -45,3 +45,12 @@ def test_rows_pair_by_prompt_whatever_their_order():
             ("a", "p2", "b=8", 3.0), ("a", "p1", "b=8", 1.0)]
     g = gain_with_interval(results(rows), "adaptive", "b=8")
     assert g["a"]["gain"] == pytest.approx((1.0 + 3.0) / (1.0 + 2.0) - 1)
+
+
+def test_fixed_block_sizes_resolve_null_to_the_papers_set_and_a_list_to_it_and_the_candidates():
+    from pipeline.evaluation.methods import fixed_block_sizes
+
+    cands = [6, 7, 8, 9, 10]
+    assert fixed_block_sizes(None, 8, cands) == [2, 4, 6, 7, 8, 9, 10, 16]  # {B/4, B/2, B, 2B} + C
+    assert fixed_block_sizes([], 8, cands) == cands  # the default: the candidates alone
+    assert fixed_block_sizes([12, 3, 7], 8, cands) == [3, 6, 7, 8, 9, 10, 12]

@@ -165,7 +165,7 @@ class EvaluateStage(DecodingStage):
         except ValueError:  # a policy on transformed logits does not fold: it serves on the logits
             serving, self.unfolded = policy, None
         # The product's decoder (the tuned rule replacing the fallback b, when tune measured it faster on held-out
-        # label prompts) and, with a rule, the policy alone (the "policy" method).
+        # label prompts its choice did not see) and, with a rule, the policy alone (the "policy" method).
         self.adaptive = AdaptiveDecoder(self.engine, serving, self.rule_fallback)
         self.policy_only = AdaptiveDecoder(self.engine, serving)
         self.cost_profile = self._cost_profile()

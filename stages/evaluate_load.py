@@ -101,14 +101,18 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
 
 
 def _rule_at(stage, c: int):
-    """(rule, b_max, gain) of tune's choice at c when it gained there (tune/step_rule.json's ``load``), else None."""
+    """(rule, b_max, gain) of tune's choice at c when adaptive adopts it (tune/step_rule.json's ``load``,
+    pipeline.decoding.adaptive.adopted_gain), else None."""
     from pipeline.policy.step_rules import LEARNED, LearnedVerify, parse_rule
 
+    from pipeline.decoding.adaptive import adopted_gain
+
     got = ((stage.step_rule or {}).get("load") or {}).get(str(c))
-    if not got or not got["gain"] > 0:
+    gain = adopted_gain(got) if got else None
+    if gain is None:
         return None
     rule = LearnedVerify.from_dict(got["learned_model"]) if got["rule"] == LEARNED else parse_rule(got["rule"])
-    return rule, int(got["max_block_size"]), float(got["gain"])
+    return rule, int(got["max_block_size"]), gain
 
 
 def _adaptive(policy, rule):

@@ -18,6 +18,7 @@ from pipeline.executor.folder import StageFolder
 from pipeline.runtime.log import get as log
 from pipeline.io.shards import is_complete, list_shards, write_text_atomic
 from pipeline.evaluation.table import headline_rows
+from pipeline.evaluation.rule_search import adoption_line
 from pipeline.io.layout import CONFIG, POLICY, STEP_RULE, SUMMARY, RunLayout
 from pipeline.io.storage import location, read_table, savefig
 
@@ -187,6 +188,7 @@ def tune_section(tune_dir: Path, out: Path) -> List[str]:
     md = ["## Per-step verify length", "",
           f"Chosen on {choice['prompts']} {choice['chosen_on']}: `{choice['rule']}` at b_max={choice['max_block_size']}"
           f", modelled gain {choice['gain']:+.2%} over b={choice['baseline_b']} there.", "",
+          *([adoption_line(choice["adoption"]) + ".", ""] if choice.get("adoption") else []),
           _md_table(["method", "modelled time per token (ms)", "gain vs the fixed b", "share of the per-step oracle's"],
                     [[t["method"], t["modelled_time_per_token"] * 1e3, f"{t['gain']:+.2%}",
                       "-" if t.get("oracle_gain_captured") is None else f"{t['oracle_gain_captured']:.0%}"]

@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 import pyarrow as pa
 
 from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
-from pipeline.evaluation.rule_search import family, read_traced, search
+from pipeline.evaluation.rule_search import adoption_line, family, read_traced, search
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Plan, Rejects, ShardTask
 from pipeline.io.layout import COST_PROFILE, POLICY_META, STEP_RULE, VERIFY_MODEL, RunLayout
@@ -170,6 +170,7 @@ class TuneStage(DecodingStage):
                 "oracle_gain": choice["per_step_oracle"]["gain"],
                 "families": {f: {"rule": t["rule"], "gain": t["gain"], "oracle_gain_captured": t["oracle_gain_captured"]}
                              for f, t in fam.items()},
+                "adoption": choice["adoption"],
                 "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
                 "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()}}
 
@@ -191,6 +192,7 @@ class TuneStage(DecodingStage):
         return [f"chose {summary['step_rule']} at b_max={summary['max_block_size']}: modelled gain "
                 f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on {summary['prompts']} held-out "
                 f"label prompts (simulated; per-step oracle {summary['oracle_gain']:+.2%}; best per family: {fams})",
+                adoption_line(summary["adoption"]),
                 f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})",
                 *[f"at c={c}: {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']} (simulated)"
                   for c, v in (summary.get("load") or {}).items()]]
@@ -226,3 +228,4 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     stage = TuneStage(cfg)
     require_complete(stage.requires())
     return execute(stage)
+

@@ -7,7 +7,8 @@ Two levels of adaptation, each chosen on the label set, never on evaluation prom
 * per step, a verify rule (pipeline/policy/step_rules.py, chosen by ``blockpilot tune`` on held-out label prompts) can
   replace that fallback: the draft proposes b_max tokens and the rule sends the target only a prefix. When the
   policy answers its fallback b, the decoder runs the rule instead, if tune measured it faster than the fallback b
-  (``RuleFallback.gain`` > 0); the policy then deviates only where it predicts more than the rule's gain.
+  on prompts its choice did not see (:func:`adopted_gain`); the policy then deviates only where it predicts more
+  than the rule's gain.
 
 Ray-free; the evaluate stage's actors use it and so can a serving loop or a notebook.
 """
@@ -39,9 +40,9 @@ class RuleFallback:
     def from_tune(cls, choice: Dict[str, Any], folder=None) -> Optional["RuleFallback"]:
         """From tune's step_rule.json (in ``folder``); None when the rule did not beat the fixed b there (it would
         only slow down)."""
-        gain = float(choice.get("gain") or 0.0)
+        gain = adopted_gain(choice)
         where = None if folder is None else str(folder)
-        return cls(choice["rule"], int(choice["max_block_size"]), gain, where) if gain > 0 else None
+        return None if gain is None else cls(choice["rule"], int(choice["max_block_size"]), gain, where)
 
     @property
     def min_gain(self) -> float:
@@ -56,6 +57,17 @@ class RuleFallback:
         """Loaded once (the learned rule reads a file); cached_property writes the instance dict, which a frozen
         dataclass allows."""
         return load_rule(self.rule, self.folder)
+
+
+def adopted_gain(choice: Dict[str, Any]) -> Optional[float]:
+    """The gain of tune's rule (step_rule.json's body, or its line at a load c) when adaptive adopts it, else None:
+    its cross-fitted gain when that is above 0 at its lower 5 % bound (pipeline.evaluation.rule_search
+    .cross_fitted_gain); a file written before that check (no ``adoption``) by its point gain above 0."""
+    adoption = choice.get("adoption")
+    if adoption is not None:
+        return float(adoption["gain"]) if adoption["adopt"] else None
+    gain = float(choice.get("gain") or 0.0)
+    return gain if gain > 0 else None
 
 
 @dataclass

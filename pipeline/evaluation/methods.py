@@ -5,7 +5,7 @@
   plus every candidate in C);
 * ``adaptive``: the product's adaptive decoder (pipeline.decoding.adaptive): the policy's choice from the prefill
   logits (its latency is measured and recorded), whose fallback b is replaced by the per-step rule ``blockpilot
-  tune`` chose on held-out label prompts when tune measured it faster there;
+  tune`` chose on held-out label prompts when it gained there out of fold (pipeline.decoding.adaptive.adopted_gain);
 * with a tuned rule, its two parts apart: ``policy`` (the policy alone, every step verifying the whole block) and
   ``per-step`` (the rule alone at its b_max); beside it ``threshold`` and ``learned``, tune's best rule of each of
   those families where it is not the tuned rule (the learned rule against the threshold rule);

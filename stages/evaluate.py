@@ -217,7 +217,7 @@ class EvaluateStage(DecodingStage):
             state = self.engine.prefill(ids)
             ar = Sampled(draws(lambda s: self.engine.decode(state, block_size=1, seed=s, **kw)))
             fixed = {b: Sampled(draws(lambda s: self.engine.decode(state, block_size=b, seed=s, **kw)))
-                     for b in sorted(set(self.fixed) | set(cands))}
+                     for b in self.fixed}  # every candidate among them (methods.fixed_block_sizes)
             ad = {"adaptive": draws(lambda s: self.adaptive.generate(ids, state=state, seed=s, **kw))}
             steps = {}
             if self.step_rule is not None:  # the two parts apart: the policy alone, the tuned rule(s) alone
@@ -253,7 +253,7 @@ class EvaluateStage(DecodingStage):
                              "simulated_equals_decoded": check.get(method),
                              "per_step_oracle_seconds": check.get("oracle") if method == PER_STEP else None})
             best = oracle_block_size(cands, fixed, self.cost_profile)
-            rows.append(row("oracle", "oracle", best, fixed[best], pit=fixed_rows.get(best, {}).get("pit")))
+            rows.append(row("oracle", "oracle", best, fixed[best], pit=fixed_rows[best]["pit"]))
         meta = {"candidates": cands, "fixed_block_sizes": self.fixed, "temperature": self.cfg.decode.temperature,
                 "max_new_tokens": self.cfg.decode.max_new_tokens, "samples": self.samples}
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))

@@ -19,10 +19,9 @@ tokens (a fraction of a percent at 128 tokens). Tune's decoded confirmation has 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
-
-import hashlib
 
 import numpy as np
 

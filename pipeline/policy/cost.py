@@ -1,6 +1,6 @@
 """A measured cost model of one decode step: seconds of the draft forward and of the target verify at block size b.
 
-:func:`measure_profile` times both parts separately at every b in 1..2B, at a few context lengths, on the engine's
+:func:`measure_profile` times both parts separately at every b in 1..max_block_size, at a few context lengths, on the engine's
 own device and dtype: a warm-up decode per (b, context), then rounds of timed decodes (every b once per round, in
 a shuffled order, so that load that comes and goes on a shared machine hits every b alike) until the median per-step
 cost of every b at every context length moves by less than ``rel_tol`` from one round to the next
@@ -44,7 +44,7 @@ from pipeline.io.layout import COST_PROFILE as FILENAME  # noqa: E402
 
 FORMAT_DOC = f"""## `{FILENAME}` (format `{FORMAT}`, version {FORMAT_VERSION})
 
-Seconds per decode step (draft forward + target verify) at every block size b in 1..2B, measured by
+Seconds per decode step (draft forward + target verify) at every block size b in 1..profile.max_block_size, measured by
 `blockpilot profile` (or once per label worker) on one machine. Keys:
 
 | key | meaning |
@@ -385,11 +385,6 @@ def first_step_extra(p: Dict[str, Any]) -> float:
     """A version-2 raw point's first step seconds over one of its steady steps."""
     s = steady(p)
     return p["first_draft_seconds"] + p["first_verify_seconds"] - s["draft"] - s["verify"]
-
-
-def profile_block_sizes(trained_block_size: int, candidates: Sequence[int] = ()) -> List[int]:
-    """1..2B, plus any candidate beyond it."""
-    return sorted(set(range(1, 2 * int(trained_block_size) + 1)) | {int(b) for b in candidates})
 
 
 def largest_decoded_block_size(cfg, trained_block_size: int, candidates: Sequence[int] = ()) -> int:

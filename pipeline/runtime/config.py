@@ -240,7 +240,8 @@ class EvaluateConfig:
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
     # Use tune's per-step rule: adaptive runs it where the policy answers its fallback b (if tune measured it
-    # faster on val prompts its choice did not see), and evaluate also runs `policy` and `per-step` apart. false: adaptive is the policy alone; no tune.
+    # faster on val prompts its choice did not see), and evaluate also runs `policy` and `per-step` apart. false:
+    # adaptive is the policy alone; no tune.
     per_step: bool = True
     # Concurrencies to evaluate at, each in profile.concurrency: 1 is the per-prompt pass above; each c > 1 serves
     # every evaluation prompt c at a time on the batched engine (stages/evaluate_load.py), in wall clock.

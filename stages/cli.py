@@ -163,6 +163,10 @@ def run_named_stage(name: str, cfg: PipelineConfig, as_json: bool = False) -> in
     import contextlib
 
     try:
+        if "model" in STAGES[name].sections:  # a model that is not there fails first, in one line naming its key
+            from pipeline.decoding.models import locate_all
+
+            locate_all(cfg.model)
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
             summary = fn(cfg)
     except (ConfigError, FileExistsError, FileNotFoundError, PermissionError, ValueError) as err:

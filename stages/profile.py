@@ -22,7 +22,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     from pipeline.policy.cost import FILENAME, largest_decoded_block_size
     from pipeline.decoding.load_profile import profile_with_load
     from pipeline.decoding.engine import Engine
-    from pipeline.decoding.models import load_models, model_revision
+    from pipeline.decoding.models import load_models
+    from pipeline.decoding.provenance import model_provenance
     from stages.label import trained_block_size
 
     t0 = time.monotonic()
@@ -33,8 +34,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         torch.set_num_threads(1)  # as a label worker of one CPU runs (workers.cpus_per_worker = 1)
     engine = Engine(models.target, models.draft, models.stop_token_ids)
     B = trained_block_size(cfg)
-    revisions = {"target_revision": model_revision(m.target, m.target_revision),
-                 "draft_revision": model_revision(m.draft, m.draft_revision)}
+    revisions = {"target_revision": model_provenance(m.target, m.target_revision, "model.target")["revision"],
+                 "draft_revision": model_provenance(m.draft, m.draft_revision, "model.draft")["revision"]}
     candidates = candidate_block_sizes(B, cfg.label.k)  # what label would profile
     top = cfg.profile.max_block_size or largest_decoded_block_size(cfg, B, candidates)
     log("profile").info(f"timing draft and verify per step at b = 1..{top} on "

@@ -1,10 +1,15 @@
-"""Loading the target, the DFlash draft and the tokenizer from a hub id, a local folder or a bundled name."""
+"""Loading the target, the DFlash draft and the tokenizer from a hub id, a local folder or a bundled name.
+
+Every path that reads a model location goes through :func:`locate`, so that a location that is not there fails in
+one line naming its config key; the loaders refuse a checkpoint whose tensors do not match the class (transformers
+only warns and initialises the missing ones at random: labels made with such a model are silently garbage)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -14,14 +19,83 @@ from pipeline import ASSETS
 BUNDLED_PREFIX = "bundled:"
 
 
-def resolve_location(location: str) -> str:
-    """``bundled:NAME`` -> the shipped folder; anything else is a local folder or a hub id, as given."""
+class ModelNotFound(FileNotFoundError):
+    """A model location that is neither a bundled name, a local folder nor a reachable hub id. A FileNotFoundError,
+    so that the CLI prints its one line without a traceback."""
+
+
+@dataclass(frozen=True)
+class Located:
+    """What a location names: ``path`` is what from_pretrained reads (a folder, or the hub id), ``revision`` the
+    commit a hub id resolved to (None for a folder), ``kind`` one of bundled / local / hub."""
+    path: str
+    revision: Optional[str]
+    kind: str
+
+
+def locate(location: str, revision: Optional[str], key: str) -> Located:
+    """The one reading of a model location (``key`` is its config key, e.g. ``model.draft``, for the error)."""
     if location.startswith(BUNDLED_PREFIX):
         path = ASSETS / location[len(BUNDLED_PREFIX):]
         if not path.is_dir():
-            raise FileNotFoundError(f"bundled model {location!r} not found at {path}")
-        return str(path)
-    return location
+            raise ModelNotFound(f"{key}: bundled model {location!r} not found at {path}")
+        return Located(str(path), None, "bundled")
+    if Path(location).is_dir():
+        return Located(location, None, "local")
+    if not is_hub_id(location):
+        raise ModelNotFound(f"{key}: {location!r} is neither a local folder nor a hub id (a hub id is 'owner/name')")
+    return Located(location, hub_commit(location, revision, key), "hub")
+
+
+def locate_all(cfg: ModelConfig) -> None:
+    """Every model location of the config located (the tokenizer's too): a stage that reads models calls it before
+    anything else, so that a path that is not there fails first, in one line naming its key."""
+    locate(cfg.target, cfg.target_revision, "model.target")
+    locate(cfg.draft, cfg.draft_revision, "model.draft")
+    if cfg.tokenizer:
+        locate(cfg.tokenizer, None, "model.tokenizer")
+
+
+def is_hub_id(location: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(location)
+    except HFValidationError:
+        return False
+    return location.count("/") == 1  # validate_repo_id also takes an owner-less 'name'
+
+
+@functools.lru_cache(maxsize=None)
+def hub_commit(repo: str, revision: Optional[str], key: str) -> str:
+    """The commit ``revision`` (None = main) of a hub repo names. Cached for the process, so that the target a
+    worker loads and the revision its labels record are the same commit even if the branch moves meanwhile.
+    Offline: the local cache's. Online: the hub's, else the cache's (a node without network but not marked offline
+    loads from the cache, as transformers does)."""
+    from huggingface_hub import HfApi, is_offline_mode
+
+    what = f"{key}: hub id {repo!r}" + (f" at revision {revision!r}" if revision else "")
+    if is_offline_mode():
+        commit = cached_commit(repo, revision)
+        if commit is None:
+            raise ModelNotFound(f"{what} could not be resolved: not in the local hub cache (HF_HUB_OFFLINE is set)")
+        return commit
+    try:
+        return HfApi().model_info(repo, revision=revision).sha
+    except Exception as err:  # noqa: BLE001 - any failure to reach it: network, 404, gated, bad revision
+        commit = cached_commit(repo, revision)
+        if commit is None:
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            raise ModelNotFound(f"{what} could not be resolved: {lines[0]}") from err
+        return commit
+
+
+def cached_commit(repo: str, revision: Optional[str]) -> Optional[str]:
+    """The commit of ``revision`` in the huggingface_hub cache (its snapshots/<commit>/ folder), None if absent."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, "config.json", revision=revision or "main")
+    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,19 +132,60 @@ class LoadedModels:
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    location = resolve_location(cfg.tokenizer or cfg.target)
-    revision = cfg.target_revision if cfg.tokenizer is None else None
-    return AutoTokenizer.from_pretrained(location, revision=revision, trust_remote_code=cfg.trust_remote_code)
+    if cfg.tokenizer is None:
+        loc = locate(cfg.target, cfg.target_revision, "model.target")
+    else:
+        loc = locate(cfg.tokenizer, None, "model.tokenizer")
+    return AutoTokenizer.from_pretrained(loc.path, revision=loc.revision, trust_remote_code=cfg.trust_remote_code)
+
+
+def weight_problems(missing: Iterable[str], unexpected: Iterable[str],
+                    mismatched: Iterable[Tuple[str, Any, Any]], shown: int = 5) -> List[str]:
+    """One phrase per kind of disagreement between a checkpoint and its class, naming the first ``shown`` tensors;
+    ``mismatched`` holds (name, checkpoint shape, model shape)."""
+    def names(items) -> str:
+        return ", ".join(items[:shown]) + (", ..." if len(items) > shown else "")
+
+    out = []
+    for what, items in (("missing", sorted(missing)), ("unexpected", sorted(unexpected))):
+        if items:
+            out.append(f"{what} {len(items)}: {names(items)}")
+    sizes = [f"{n} (checkpoint {list(c)}, model {list(m)})" for n, c, m in sorted(mismatched, key=lambda x: x[0])]
+    if sizes:
+        out.append(f"size-mismatched {len(sizes)}: {names(sizes)}")
+    return out
+
+
+def checked(loaded, key: str, location: str):
+    """The model of ``from_pretrained(..., output_loading_info=True)``, or a refusal naming what did not match.
+    Nothing is tolerated: transformers already leaves out of the report the tied weights it ties (lm_head of a
+    tie_word_embeddings target) and non-persistent buffers (rotary inv_freq), which are not in the checkpoint;
+    measured on the bundled pair and tests/random_pair.py's pairs (DFlash2 too), which all report nothing."""
+    model, info = loaded
+    # info["error_msgs"] is always empty here: transformers raises on those itself.
+    problems = weight_problems(info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
+    if problems:
+        raise ValueError(not_matching(key, location, model, problems))
+    return model
+
+
+def not_matching(key: str, location: str, model, problems: List[str]) -> str:
+    """The one line of a checkpoint that does not match its class (the loader's refusal, the preflight's problem)."""
+    return f"{key}: {location}: the checkpoint does not match {type(model).__name__}: " + "; ".join(problems)
+
+
+# ignore_mismatched_sizes: a size mismatch comes back in the loading info (and is refused by `checked`, naming
+# it) instead of as transformers' RuntimeError pointing at a report in the log.
+LOADING_INFO = dict(output_loading_info=True, ignore_mismatched_sizes=True)
 
 
 def load_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_location(cfg.target), revision=cfg.target_revision, dtype=dtype,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    return model.to(device).eval()
+    loc = locate(cfg.target, cfg.target_revision, "model.target")
+    loaded = AutoModelForCausalLM.from_pretrained(loc.path, revision=loc.revision, dtype=dtype,
+                                                  trust_remote_code=cfg.trust_remote_code, **LOADING_INFO)
+    return checked(loaded, "model.target", cfg.target).to(device).eval()
 
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # the dflash.model classes a draft can be
@@ -84,26 +199,39 @@ def draft_classes() -> Dict[str, type]:
     return {name: getattr(dflash.model, name) for name in DRAFT_ARCHITECTURES}
 
 
+def draft_class(config, where: str) -> type:
+    """The draft class its config names (``architectures``; none = DFlashDraftModel), so that a DFlash2 checkpoint
+    gets its convolutions and candidate selector. Only dflash's own classes: no remote code."""
+    archs = config.architectures or []
+    name = archs[0] if len(archs) == 1 else "DFlashDraftModel"
+    if name not in DRAFT_ARCHITECTURES:
+        raise ValueError(f"{where}: architecture {archs} is not a dflash draft ({', '.join(DRAFT_ARCHITECTURES)})")
+    return draft_classes()[name]
+
+
 def draft_config(cfg: ModelConfig):
     """The draft's config as the loader reads it, without weights: the one place that reads it (B, the draft class,
     and what replay checks all come from here)."""
+    return read_draft_config(locate(cfg.draft, cfg.draft_revision, "model.draft"), "model.draft")
+
+
+def read_draft_config(loc: Located, key: str):
+    """A folder without config.json is refused: the draft's config class would quietly build a default Qwen3Config
+    (and the draft class then fail on a missing attribute)."""
     from dflash.model import DFlashDraftModel
 
-    return DFlashDraftModel.config_class.from_pretrained(resolve_location(cfg.draft), revision=cfg.draft_revision)
+    if loc.kind != "hub" and not (Path(loc.path) / "config.json").is_file():
+        raise ModelNotFound(f"{key}: {loc.path} has no config.json")
+    return DFlashDraftModel.config_class.from_pretrained(loc.path, revision=loc.revision)
 
 
 def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The draft class its config names (``architectures``; none = DFlashDraftModel), so that a DFlash2 checkpoint
-    gets its convolutions and candidate selector. Only dflash's own classes: no remote code."""
-    location = resolve_location(cfg.draft)
-    archs = draft_config(cfg).architectures or []
-    name = archs[0] if len(archs) == 1 else "DFlashDraftModel"
-    if name not in DRAFT_ARCHITECTURES:
-        raise ValueError(f"draft {cfg.draft!r}: architecture {archs} is not a dflash draft "
-                         f"({', '.join(DRAFT_ARCHITECTURES)})")
-    model = draft_classes()[name].from_pretrained(location, revision=cfg.draft_revision, dtype=dtype)
+    loc = locate(cfg.draft, cfg.draft_revision, "model.draft")
+    cls = draft_class(draft_config(cfg), f"model.draft: {cfg.draft}")
+    model = checked(cls.from_pretrained(loc.path, revision=loc.revision, dtype=dtype, **LOADING_INFO),
+                    "model.draft", cfg.draft)
     if model.mask_token_id is None:
-        raise ValueError(f"draft {cfg.draft!r}: config has no dflash_config.mask_token_id")
+        raise ValueError(f"model.draft: {cfg.draft}: config has no dflash_config.mask_token_id")
     return model.to(device).eval()
 
 
@@ -129,15 +257,3 @@ def load_models(cfg: ModelConfig) -> LoadedModels:
     draft = load_draft(cfg, device, dtype)
     return LoadedModels(target, draft, tokenizer, device, dtype, stop_token_ids(tokenizer, target))
 
-
-def model_revision(location: str, revision: Optional[str]) -> str:
-    """A provenance string: the hub revision if given, else the local folder's config hash."""
-    if revision:
-        return revision
-    path = Path(resolve_location(location))
-    cfg = path / "config.json"
-    if cfg.is_file():
-        import hashlib
-
-        return "sha256:" + hashlib.sha256(cfg.read_bytes()).hexdigest()[:16]
-    return "unknown"

@@ -30,11 +30,13 @@ def resolve_mode(cfg: PipelineConfig) -> str:
     model fails here."""
     if cfg.label.mode == "exhaustive" or (cfg.label.mode == "auto" and cfg.decode.temperature > 0):
         return "exhaustive"
-    from pipeline.decoding.models import draft_config
+    from pipeline.decoding.models import ModelNotFound, draft_config
     from pipeline.labelling.replay import replay_unsupported_config
 
     try:
         why = replay_unsupported_config(draft_config(cfg.model))
+    except ModelNotFound:  # no draft there at all: said in one line naming model.draft, not worked around
+        raise
     except Exception as e:  # noqa: BLE001 - a config that cannot be read cannot be proven exact either
         why = f"an unreadable draft config ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
     if why is None:

@@ -1,6 +1,6 @@
 """``blockpilot submit``'s upload rule and early size refusal, on temporary checkouts (no Ray cluster).
 
-The rule (stages/submit.py): in a git checkout only the top-level entries holding a tracked file are uploaded,
+The rule (stages/upload.py): in a git checkout only the top-level entries holding a tracked file are uploaded,
 less .gitignore/.rayignore matches, .git, __pycache__ and any virtualenv (a folder with pyvenv.cfg); outside git,
 everything less those. The plan is also checked against the zip Ray itself builds with the same excludes.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import submit
+from stages import submit as command
+from stages import upload as submit  # the upload rule (stages/upload.py)
 from stages.cli import main
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -201,11 +202,11 @@ def test_an_unreachable_address_exits_1_naming_it(tmp_path, capsys):
 
 def test_address_and_entrypoint(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
+    assert command.resolve_address(None) == "http://127.0.0.1:8265"
     monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
-    assert submit.resolve_address(None) == "http://head:8265"
-    assert submit.resolve_address("http://other:1") == "http://other:1"
-    cmd = submit.entrypoint("prepare", "python", "published:qwen3-8b",
+    assert command.resolve_address(None) == "http://head:8265"
+    assert command.resolve_address("http://other:1") == "http://other:1"
+    cmd = command.entrypoint("prepare", "python", "published:qwen3-8b",
                             ["prepare.sources=[{name: m, kind: jsonl, path: p.jsonl, field: text}]"])
     assert cmd == ("python jobs/prepare.py -c published:qwen3-8b "
                    "'prepare.sources=[{name: m, kind: jsonl, path: p.jsonl, field: text}]'")

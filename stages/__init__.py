@@ -38,6 +38,11 @@ STAGES = {
                   "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "profile", "workers",
                                                                          "ray"),
                   "stages.label"),
+        StageInfo("preflight", "check every worker the label stage expects before any work: devices (Ray's GPUs "
+                  "against torch), the models (reachable, weights matching their class, the same bytes on every "
+                  "node), output_dir (written and read from every node), the memory plan; one table, exit 1 naming "
+                  "the node and the key", ("model", "decode", "label", "profile", "workers", "ray"),
+                  "stages.preflight"),
         StageInfo("profile", "the cost model alone: seconds per decode step (draft and verify apart) at every b in "
                   "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
                   ("model", "decode", "label", "profile"), "stages.profile"),

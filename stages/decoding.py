@@ -8,6 +8,7 @@ completes.
 from __future__ import annotations
 
 import time
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Tuple
 
@@ -20,10 +21,13 @@ from pipeline.io.storage import location
 class DecodingStage(ShardStage):
     unit = "prompts"
 
-    def __init__(self, cfg, folder: Path, prompts: Path, num_workers):
+    on_ray = False  # set by stages.ray_executor.execute: the actor pool's placement decides where models run
+
+    def __init__(self, cfg, folder: Path, prompts: Path, num_workers, workers_key: str):
         super().__init__(cfg, folder)
         self.prompts = location(prompts)  # the prompt shards (prepare's schema) it decodes
         self.num_workers = num_workers
+        self.workers_key = workers_key
 
     def plan(self) -> Plan:
         return Plan(tasks_from_shards(self.prompts))
@@ -31,7 +35,55 @@ class DecodingStage(ShardStage):
     def resources(self) -> Resources:
         w = self.cfg.workers
         return Resources(actors=True, num_workers=self.num_workers, cpus_per_worker=w.cpus_per_worker,
-                         max_retries=w.max_retries)
+                         max_retries=w.max_retries, workers_key=self.workers_key, device=self.cfg.model.device)
+
+    # -- what was loaded, where: the fingerprint's part that no config value says --
+    @cached_property
+    def placement(self):
+        """The pool's stages.placement.Placement when the stage runs on Ray (decided once, when the fingerprint
+        first needs it: after the driver's cheap checks, so a bad folder fails before Ray starts); else None."""
+        if not self.on_ray:
+            return None
+        from .placement import plan_workers
+        from .ray_runtime import init_ray
+
+        return plan_workers(self.resources(), init_ray(self.cfg.ray).cluster_resources())
+
+    @property
+    def runs_on(self) -> str:
+        """"cuda" or "cpu": where the workers run the models (the pool's placement; in-process, this machine)."""
+        if self.placement is not None:
+            return self.placement.device
+        from pipeline.decoding.models import resolve_device
+
+        return resolve_device(self.cfg.model.device).type
+
+    @cached_property
+    def provenance(self) -> Dict[str, Any]:
+        """What the models are (pipeline.decoding.provenance: a hub commit, or a hash of a folder's weights), the
+        packages that compute with them, and the dtype and device kind they run in: a rerun that differs in any of
+        these is refused, so that one folder never mixes fp32-CPU rows with bf16-GPU ones, or two trainings of one
+        draft. Read in the driver: a local model folder must be readable there too."""
+        from pipeline.decoding.models import resolve_dtype
+        from pipeline.decoding.provenance import model_provenance, software_versions
+
+        import torch
+
+        m = self.cfg.model
+        dtype = resolve_dtype(m.dtype, torch.device(self.runs_on))
+        return {"model.target": model_provenance(m.target, m.target_revision, "model.target"),
+                "model.draft": model_provenance(m.draft, m.draft_revision, "model.draft"),
+                "dtype": str(dtype).replace("torch.", ""), "device": self.runs_on, "versions": software_versions()}
+
+    def preflight_spec(self, placement, token: str):
+        from pipeline.executor.preflight import PreflightSpec
+
+        m, p = self.cfg.model, self.provenance
+        return PreflightSpec(self.name, placement.device, m.dtype,
+                             models={"model.target": (m.target, m.target_revision),
+                                     "model.draft": (m.draft, m.draft_revision)},
+                             expect={k: p[k] for k in ("model.target", "model.draft", "versions")},
+                             output_dir=str(self.cfg.output_dir), token=token)
 
     def setup(self, worker: Worker) -> None:
         import torch

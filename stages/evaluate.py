@@ -65,7 +65,8 @@ class EvaluateStage(DecodingStage):
 
     def __init__(self, cfg: PipelineConfig):
         run = RunLayout(location(cfg.output_dir))
-        super().__init__(cfg, run.eval, prompt_sets(cfg).folder, cfg.evaluate.num_workers)
+        super().__init__(cfg, run.eval, prompt_sets(cfg).folder, cfg.evaluate.num_workers,
+                         "evaluate.num_workers")
         self.layout = run
         self.train_dir, self.policy_dir, self.tune_dir = run.train, run.policy, run.tune
 
@@ -130,7 +131,8 @@ class EvaluateStage(DecodingStage):
 
     def fingerprint(self) -> Dict[str, Any]:
         profile = self.policy_dir / COST_PROFILE
-        return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "fixed": self.fixed,
+        return {"model": vars(self.cfg.model), "models": self.provenance, "decode": vars(self.cfg.decode),
+                "fixed": self.fixed,
                 "policy_sha256": {f: file_sha256(self.policy_dir / f) for f in POLICY_FILES},
                 "cost_profile_sha256": file_sha256(profile) if profile.exists() else None,
                 "step_rule": self.step_rule and {k: self.step_rule[k] for k in ("rule", "max_block_size")},

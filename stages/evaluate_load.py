@@ -1,7 +1,8 @@
 """evaluate's pass at load: every evaluation prompt served c at a time for each c > 1 of ``evaluate.concurrency``.
 
-Runs after evaluate's per-prompt shards, in the driver's process on one thread (a wall-clock benchmark wants one
-quiet process, not actors sharing the cores; on a GPU cluster the driver then needs the device): the batched engine
+Runs after evaluate's per-prompt shards, in one Ray task with the stage's device resources (a GPU of a worker node,
+or one CPU: a wall-clock benchmark wants one quiet process, and the job's driver may have no GPU at all), on one
+thread on a CPU; in this process when Ray is not running (tests). The batched engine
 (pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
 ``eval/load.parquet`` (one row per c x method x repeat) and ``eval/load.json`` (per c: the table, the headline
 against b*(c) and b*(1) with measured intervals, the cost model's error); a rerun with the same policy, prompts and
@@ -43,10 +44,37 @@ def run_load(cfg, stage) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    summaries, rows = _measure(cfg, stage, loads, info)
+    summaries, rows, where = _measure_where_it_fits(cfg, stage, loads, info)
+    from pipeline.evaluation.load import render_load
+
+    for summary in summaries.values():
+        for line in render_load(summary):
+            log("evaluate").info(line)
     write_parquet_atomic(pa.Table.from_pylist(rows), stage.folder / LOAD_ROWS, compression="zstd")
-    write_text_atomic(json.dumps({"fingerprint": fp, "loads": summaries}, indent=1, default=str) + "\n", out)
+    write_text_atomic(json.dumps({"fingerprint": fp, "where": where, "loads": summaries}, indent=1, default=str)
+                      + "\n", out)
     return summaries
+
+
+def _measure_where_it_fits(cfg, stage, loads: List[int], info: Dict[str, Any]):
+    """_measure in a Ray task that asks what one of the stage's workers asks (one GPU, or its CPUs), so that the
+    models load where they fit, never in a GPU-less driver; here when Ray is not running."""
+    import time
+
+    import ray
+
+    if not ray.is_initialized():
+        return _measure(cfg, stage, loads, info)
+    from .placement import plan_workers
+
+    place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
+    task = ray.remote(_measure).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0)
+    say = log("evaluate")
+    say.info(f"at load: one task of {place.ask()} (models on {place.device})")
+    ref, t0 = task.remote(cfg, stage, loads, info), time.monotonic()
+    while not ray.wait([ref], timeout=60.0)[0]:
+        say.info(f"at load: running for {time.monotonic() - t0:.0f} s")
+    return ray.get(ref)
 
 
 def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
@@ -55,7 +83,7 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     from pipeline.decoding.batched import BatchedEngine, fixed
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models
-    from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary, render_load
+    from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary
     from pipeline.policy.blocksize import BlockSizePolicy
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
@@ -92,12 +120,20 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
                                    top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
             rows += got
             summaries[str(c)] = load_summary(got, c, baselines)
-            for line in render_load(summaries[str(c)]):
-                log("evaluate").info(line)
     finally:
         if models.device.type == "cpu":
             torch.set_num_threads(threads)
-    return summaries, rows
+    return summaries, rows, _where(models.device)
+
+
+def _where(device) -> Dict[str, Any]:
+    """Where the pass ran (load.json's ``where``): the Ray node and GPU ids, or the process without Ray."""
+    import ray
+
+    here = {"device": str(device)}
+    if ray.is_initialized():
+        here.update(node_id=ray.get_runtime_context().get_node_id(), gpu_ids=[str(g) for g in ray.get_gpu_ids()])
+    return here
 
 
 def _rule_at(stage, c: int):

@@ -47,7 +47,7 @@ class LabelStage(DecodingStage):
 
     def __init__(self, cfg: PipelineConfig):
         run = RunLayout(location(cfg.output_dir))
-        super().__init__(cfg, run.labels, run.prompts, cfg.label.num_workers)
+        super().__init__(cfg, run.labels, run.prompts, cfg.label.num_workers, "label.num_workers")
         self.mode = resolve_mode(cfg)
 
     def requires(self):
@@ -67,20 +67,21 @@ class LabelStage(DecodingStage):
 
         return candidate_block_sizes(self.block_size, self.cfg.label.k)
 
-    @cached_property
+    @property
     def revisions(self) -> Dict[str, str]:
-        from pipeline.decoding.models import model_revision
-
-        m = self.cfg.model
-        return {"target_revision": model_revision(m.target, m.target_revision),
-                "draft_revision": model_revision(m.draft, m.draft_revision)}
+        """What was loaded (a hub commit, or ``sha256:`` over a folder's weights): the shards' and the cost
+        profile's ``target_revision`` / ``draft_revision``."""
+        p = self.provenance
+        return {"target_revision": p["model.target"]["revision"], "draft_revision": p["model.draft"]["revision"]}
 
     def fingerprint(self) -> Dict[str, Any]:
-        """The config values that change the label rows: mixing shards made with different ones is refused."""
-        m, d = self.cfg.model, self.cfg.decode
+        """The config values that change the label rows, and what no config value says (the models' bytes, the
+        dtype and device kind they ran in, the packages' versions): mixing shards made with different ones is
+        refused."""
+        m, d, p = self.cfg.model, self.cfg.decode, self.provenance
         return {
-            "target": m.target, "draft": m.draft, **self.revisions,
-            "dtype": m.dtype, "candidates": self.candidates, "temperature": d.temperature, "top_p": d.top_p,
+            "target": m.target, "draft": m.draft, **self.revisions, "dtype": p["dtype"], "device": p["device"],
+            "versions": p["versions"], "candidates": self.candidates, "temperature": d.temperature, "top_p": d.top_p,
             "top_k": d.top_k, "max_new_tokens": d.max_new_tokens, "seed": d.seed, "stop_on_eos": d.stop_on_eos,
             "enable_thinking": m.enable_thinking, "prompts_manifest_sha256": file_sha256(self.prompts / MANIFEST),
             "schema_version": LABELS_SCHEMA_VERSION, "trace_block_size": self.trace_block_size,
@@ -118,7 +119,7 @@ class LabelStage(DecodingStage):
         ms = [c * 1e3 for c in self.step_cost.values()]
         lo, hi = min(self.candidates), max(self.candidates)
         return {**super().worker_info(),
-                # the worker's line in the log (stages.ray_executor.worker_line prints scalars only) ...
+                # the worker's line in the log (stages.pool.worker_line prints scalars only) ...
                 "step_ms": f"{min(ms):.3f}..{max(ms):.3f} at b={lo}..{hi} (profiled in {p.meta['wall_seconds']} s, "
                            f"{p.meta['rounds']} rounds{'' if p.meta['stable'] else ', not stable'})",
                 # ... and in summary.json's `workers`, the whole of it
@@ -168,7 +169,8 @@ class LabelStage(DecodingStage):
                                                          **kw))
         rows = [label_row(rec, out, logits, self.worker.identity)
                 for rec, (out, logits) in self.each_prompt(input, table, rejects, measure)]
-        return label_table(rows, self.models.vocab_size, self.shard_metadata())
+        batching = batches.counts() if batches is not None else {}
+        return label_table(rows, self.models.vocab_size, {**self.shard_metadata(), "batching": batching})
 
     def parquet_options(self, table: pa.Table) -> Dict[str, Any]:
         return parquet_options(table)
@@ -179,7 +181,10 @@ class LabelStage(DecodingStage):
         return {"mode": self.mode, **summary} if summary else {}
 
     def shard_stats(self, table: pa.Table) -> Dict[str, Any]:
-        return label_shard_stats(table.select(SUMMARY_COLUMNS))
+        from pipeline.io.shards import decode_metadata
+
+        batching = decode_metadata(table.schema.metadata).get("batching") or {}
+        return {**label_shard_stats(table.select(SUMMARY_COLUMNS)), "batching": batching}
 
     def merge_stats(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
         summary = merge_label_stats(stats)
@@ -204,14 +209,42 @@ class LabelStage(DecodingStage):
     def card(self, manifest: Dict[str, Any]) -> str:
         from pipeline.policy.load_cost import PROFILE_DOC as FORMAT_DOC
 
-        return labels_card("\n" + FORMAT_DOC)
+        return labels_card("\n" + FORMAT_DOC) + provenance_card(manifest.get("fingerprint") or {})
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         if not summary.get("rows"):
             return []
         hist = " ".join(f"{b}:{n}" for b, n in summary["label_histogram"].items())
         tau = " ".join(f"{b}:{t:.2f}" for b, t in summary["mean_tau"].items())
-        return [f"label histogram (b:rows) {hist}; mean tau (b:tau) {tau}"]  # not a dict's repr
+        lines = [f"label histogram (b:rows) {hist}; mean tau (b:tau) {tau}"]  # not a dict's repr
+        b = summary.get("batching") or {}
+        if b.get("batches"):
+            lines.append(f"batches: {b['batches']} of label.batch_size={self.cfg.label.batch_size}; "
+                         f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
+                         f"{b['prompts_retried_alone']} prompts retried one by one")
+        return lines
+
+
+def provenance_card(fp: Dict[str, Any]) -> str:
+    """The card's account of what made this folder: the fingerprint's models, numerics and packages."""
+    versions = ", ".join(f"{k} {v}" for k, v in (fp.get("versions") or {}).items())
+    rows = [("target", f"`{fp.get('target')}` at `{fp.get('target_revision')}`"),
+            ("draft", f"`{fp.get('draft')}` at `{fp.get('draft_revision')}`"),
+            ("dtype, device", f"{fp.get('dtype')} on {fp.get('device')}"), ("packages", versions)]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return f"""
+## Provenance
+
+Every shard of this folder was labelled with these models, numerics and packages (its `fingerprint.json`). A hub
+model is named by the commit it resolved to, a local one by a sha256 over its weight files and `config.json`. A rerun
+that differs in any of them (a draft retrained in place, a hub update, another dtype or device kind, another torch)
+is refused, naming what differs: label into a new `output_dir` for the new models (`force=true` discards this
+folder's shards instead).
+
+| what | value |
+| --- | --- |
+{table}
+"""
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:

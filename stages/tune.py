@@ -47,7 +47,7 @@ class TuneStage(DecodingStage):
 
     def __init__(self, cfg: PipelineConfig):
         run = RunLayout(location(cfg.output_dir))
-        super().__init__(cfg, run.tune, run.prompts, cfg.tune.num_workers)
+        super().__init__(cfg, run.tune, run.prompts, cfg.tune.num_workers, "tune.num_workers")
         self.train_dir, self.policy_dir, self.labels = run.train, run.policy, run.labels
 
     def requires(self):
@@ -95,7 +95,8 @@ class TuneStage(DecodingStage):
                              "time); run it with decode.temperature=0")
 
     def fingerprint(self) -> Dict[str, Any]:
-        return {"model": vars(self.cfg.model), "decode": vars(self.cfg.decode), "tune": vars(self.cfg.tune),
+        return {"model": vars(self.cfg.model), "models": self.provenance, "decode": vars(self.cfg.decode),
+                "tune": vars(self.cfg.tune),
                 "val_fraction": self.cfg.train.val_fraction,
                 "calibration_fraction": self.cfg.train.calibration_fraction, "baseline": self.baseline,
                 # None when missing: check() then refuses with its own message (the driver fingerprints first).

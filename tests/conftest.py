@@ -35,6 +35,10 @@ ONE_SOURCE = [
 # Small, fast settings for the real tiny pair: what the stage tests share.
 FAST = [
     *ONE_SOURCE,
+    # The models on the CPU, always: the session's Ray and the test clusters advertise GPUs that do not exist
+    # (logical GPUs: actors placed one per GPU as on a GPU node), and with model.device=auto a worker given a GPU
+    # that torch cannot see is refused by the preflight, as it must be on a real cluster.
+    "model.device=cpu",
     "progress=false", "decode.max_new_tokens=32", "prepare.shard_size=8", "prepare.limit=16",
     # The MLP (its epochs and checkpoints are what the train, resume and fault tests follow); the default ridge is
     # trained in test_stages.py::test_the_default_ridge_policy_*. The rule actions stay on (the default's).

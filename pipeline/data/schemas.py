@@ -241,8 +241,9 @@ def labels_schema(vocab_size: int, version: str = LABELS_SCHEMA_VERSION) -> pa.S
 # Key-value schema metadata carried by every label shard (all values JSON-encoded strings).
 LABEL_METADATA_DOCS: Dict[str, str] = {
     "schema_version": "Label schema version (this card).",
-    "target": "Target model id or path.", "target_revision": "Hub revision, or sha256 of the local config.json.",
-    "draft": "DFlash draft id or path.", "draft_revision": "Hub revision, or sha256 of the local config.json.",
+    "target": "Target model id or path.", "target_revision": "What was loaded: the hub commit (40 hex), or "
+    "`sha256:` over the local folder's weight files and config.json.",
+    "draft": "DFlash draft id or path.", "draft_revision": "As target_revision, for the draft.",
     "trained_block_size": "B, the block size the draft was trained with.",
     "candidates": "The candidate block sizes.", "temperature": "Decoding temperature (0 = greedy).",
     "top_p": "top_p at T > 0.", "top_k": "top_k at T > 0.",
@@ -259,6 +260,8 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "measured once at start-up; `cost_profile.json` beside the shards refits every worker's points that share the "
     "hardware, device, dtype, models and grid of the worker that labelled the most rows (`pooled_workers`).",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
+    "batching": "{batches, batches_failed, batches_out_of_memory, prompts_retried_alone}: label.batch_size's "
+    "batches in this shard, and the failed ones whose prompts were labelled one by one.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
     "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
 }

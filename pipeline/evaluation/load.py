@@ -34,7 +34,8 @@ LOAD_CARD = """
 Every evaluation prompt served c at a time by the batched engine (continuous batching), one row per c x method x
 timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `b*(c)`, the
 train-chosen b at c, and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
-the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method).
+the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
+says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device).
 
 | column | meaning |
 | --- | --- |

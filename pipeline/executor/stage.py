@@ -34,6 +34,8 @@ class Resources:
     num_workers: Optional[int] = None
     cpus_per_worker: float = 1.0
     max_retries: int = 0
+    workers_key: str = ""  # the config key of num_workers, named in messages ("label.num_workers")
+    device: str = "auto"  # model.device: cuda waits for GPU actors; auto takes GPUs when the cluster has them
 
 
 @dataclass
@@ -145,6 +147,16 @@ class ShardStage:
 
     def worker_info(self) -> Dict[str, Any]:
         return {}
+
+    def preflight_spec(self, placement, token: str):
+        """What every worker checks before the first shard (pipeline.executor.preflight.PreflightSpec), given the
+        pool's placement; None: presence only (a stage without models)."""
+        return None
+
+    def memory_check(self, facts: Dict[str, Any], dtype) -> Optional[Dict[str, Any]]:
+        """On a worker, in its preflight: {"need", "have" (bytes), "key", "detail"} of the stage's memory plan on that
+        device (``facts``: pipeline.executor.preflight.device_facts), or None."""
+        return None
 
     def process_shard(self, input: Any, rejects: Rejects) -> pa.Table:
         raise NotImplementedError

@@ -153,11 +153,22 @@ def check_fingerprint(folder: Path, fingerprint: Dict[str, Any], force: bool,
         changed = sorted(k for k in set(previous) | set(normalised) if previous.get(k) != normalised.get(k))
         if not force:
             raise FileExistsError(
-                f"{folder} was written with a different config (changed: {', '.join(changed)}); "
+                f"{folder} was written with a different config (changed: "
+                f"{', '.join(_change(k, previous.get(k), normalised.get(k)) for k in changed)}); "
                 "use a new output_dir, or force=true to overwrite")
     if previous != normalised:
         write_json_atomic(normalised, path)
     return previous is not None and previous != normalised and has_output
+
+
+def _change(key: str, before: Any, now: Any) -> str:
+    """``key`` with its two values when they are short (a revision, a dtype, a number): what a user needs to see."""
+    def short(v):
+        text = json.dumps(v, sort_keys=True, default=str)
+        return text if len(text) <= 60 else None
+
+    a, b = short(before), short(now)
+    return f"{key} {a} -> {b}" if a is not None and b is not None else key
 
 
 def normalise(fingerprint: Dict[str, Any]) -> Dict[str, Any]:

@@ -113,7 +113,8 @@ class ShardBatches:
         self.chunk_of = {i: c for c, chunk in enumerate(self.chunks) for i in chunk}
         self.results: Dict[int, object] = {}
         self.next_row = 0
-        self.batches = self.retried = 0
+        # batches run, how many of them failed (and how many of those for memory), prompts then retried alone
+        self.batches = self.failed = self.out_of_memory = self.retried = 0
 
     def __call__(self, rec) -> PromptLabels:
         i = self.next_row
@@ -135,6 +136,8 @@ class ShardBatches:
             return
         except Exception as err:  # noqa: BLE001 - retried below, prompt by prompt
             _free_cuda(err)
+            self.failed += 1
+            self.out_of_memory += out_of_memory(err)
             if len(chunk) == 1:
                 self.results[chunk[0]] = err
                 return
@@ -147,6 +150,19 @@ class ShardBatches:
                 self.results[i] = err
 
 
+    def counts(self) -> Dict[str, int]:
+        """What the shard's batching cost: the label summary sums these over shards, and the stage's closing line
+        says them (a batch retried prompt by prompt costs about batch_size times its time)."""
+        return {"batches": self.batches, "batches_failed": self.failed, "batches_out_of_memory": self.out_of_memory,
+                "prompts_retried_alone": self.retried}
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """torch's CUDA out-of-memory, or the CPU allocator's (a RuntimeError "can't allocate memory"), or Python's."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
 def _free_cuda(err: BaseException) -> None:
-    if "out of memory" in str(err).lower() and torch.cuda.is_available():
+    if out_of_memory(err) and torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -51,8 +51,13 @@ def merge_label_stats(stats: List[Dict[str, Any]]) -> Dict[str, Any]:
         hist.update(s["labels"])
         speed.update(s["speed_labels"])
         tau += np.array(s["tau_sum"])
+    batching = Counter()
+    for s in stats:
+        batching.update(s.get("batching") or {})
     return {
         "candidates": candidates,
+        # label.batch_size's cost: batches run, failed (out of memory among them), prompts retried alone
+        "batching": dict(batching),
         "label_histogram": {int(b): hist.get(str(b), 0) for b in candidates},
         "speedup_label_histogram": {int(b): speed.get(str(b), 0) for b in candidates},
         "mean_tau": {int(b): round(float(tau[i] / rows), 4) for i, b in enumerate(candidates)},

@@ -66,6 +66,7 @@ def validate(cfg) -> None:
         _check(_get(cfg, key) is None or _get(cfg, key) >= low, key, f"must be >= {low}")
     _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
     _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
+    _check(cfg.workers.wait_s > 0, "workers.wait_s", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
     _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")

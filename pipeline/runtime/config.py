@@ -280,6 +280,9 @@ class WorkerConfig:
     cpus_per_worker: float = 1.0
     # Restarts of a dead actor; its in-flight shard is retried (shard outputs are atomic, so retries are safe).
     max_retries: int = 3
+    # Seconds a stage waits for its expected workers (GPU pods still joining, GPUs held by another job) before its
+    # preflight refuses, naming what is missing; a progress line meanwhile.
+    wait_s: float = 600.0
 
 
 @dataclass

@@ -20,69 +20,30 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import FAST
 
-from .conftest import (BLOCKPILOT, PYTHON, RAY, REPO, Run, base_env, free_port_range, free_ports, kill_group,
-                       marked_pids, reap, short_tmpdir)
+from .conftest import BLOCKPILOT, PYTHON, RAY, REPO, Run, marked_pids
+from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
 
 # Ray's default ports: none of them may be used here, so a default Ray on the same machine is left alone.
 RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365, 8076, 8077, 8080}
-# The 2 GB venv, the git store and local runs must not be uploaded with the working dir.
-EXCLUDES = [".venv", ".git", "runs", "tmp", "build", "dist", ".whl", "**/__pycache__", ".pytest_cache",
-            "*.egg-info", "benchmarks"]
 SMALL = [*FAST, "train.epochs=2"]  # FAST already has workers.cpus_per_worker=0.5 and train.use_gpu=false
 
 
-class Cluster:
-    """Head + one worker node, each ``ray start --block`` in its own session, torn down by process group."""
-
-    def __init__(self):
-        (self.gcs, self.dashboard, head_nm, head_om, client, head_agent, head_agent_grpc, head_metrics,
-         head_rtenv, nm, om, agent, agent_grpc, metrics, rtenv) = free_ports(15)
-        head_workers = free_port_range(100)
-        node_workers = free_port_range(100, avoid=head_workers)
-        self.temp_dir = short_tmpdir("bpc-")
-        # Token auth, as Ray 2.60 defaults to, with this cluster's own token: every node, driver and client of the
-        # cluster gets it from the environment (the worker node does not pick up ~/.ray/auth_token by itself).
-        self.env = {"RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                    # On SIGTERM a node drains until idle, for up to 30 s; the detached actors the train job leaves
-                    # (Ray Data's stats actor, ...) keep the head from ever going idle. Tear down at once instead.
-                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-        self.url = f"http://127.0.0.1:{self.dashboard}"
-        common = ["--block", "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=1", "--disable-usage-stats",
-                  f"--temp-dir={self.temp_dir}"]
-        self.head_cmd = [
-            RAY, "start", "--head", *common, f"--port={self.gcs}", "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard}", f"--ray-client-server-port={client}",
-            f"--node-manager-port={head_nm}", f"--object-manager-port={head_om}",
-            f"--dashboard-agent-listen-port={head_agent}", f"--dashboard-agent-grpc-port={head_agent_grpc}",
-            f"--metrics-export-port={head_metrics}", f"--runtime-env-agent-port={head_rtenv}",
-            f"--min-worker-port={head_workers[0]}", f"--max-worker-port={head_workers[1]}"]
-        self.node_cmd = [
-            RAY, "start", f"--address=127.0.0.1:{self.gcs}", *common,
-            f"--node-manager-port={nm}", f"--object-manager-port={om}",
-            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rtenv}",
-            f"--min-worker-port={node_workers[0]}", f"--max-worker-port={node_workers[1]}"]
-        self.ports = {self.gcs, self.dashboard, head_nm, head_om, client, head_agent, head_agent_grpc, head_metrics,
-                      head_rtenv, nm, om, agent, agent_grpc, metrics, rtenv}
-        self.head = self.node = None
-        self.node_ids: list = []
-
-    def start(self) -> None:
-        started = "Ray runtime started"
-        self.head = Run(self.head_cmd, self.env)
-        self.head.wait_for(lambda: started in self.head.output, 120, "the head to start")
-        self.node = Run(self.node_cmd, self.env)
-        self.node.wait_for(lambda: started in self.node.output, 120, "the worker node to start")
-        # Both nodes registered with their GPU: ask the cluster itself, from a throwaway driver.
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and one worker node, each with one logical GPU (tests/integration/ray_cluster.py)."""
+    c = Cluster(head_gpus=1)
+    try:
+        c.start()
+        c.node = c.add_node("worker node", gpus=1, cpus=2).run
+        # Both nodes registered with their GPU, their ports as the cluster reports them: asked of the cluster itself.
         probe = (
             "import json, time, ray\n"
-            f"ray.init(address='127.0.0.1:{self.gcs}', log_to_driver=False)\n"
+            f"ray.init(address='127.0.0.1:{c.gcs}', log_to_driver=False)\n"
             "for _ in range(120):\n"
             "    alive = [n for n in ray.nodes() if n['Alive']]\n"
             "    if len(alive) == 2 and ray.cluster_resources().get('GPU', 0) == 2: break\n"
@@ -92,69 +53,14 @@ class Cluster:
             " 'MetricsExportPort')]))\n"
             "print('GCS', ray.get_runtime_context().gcs_address)\n")
         out = subprocess.run([PYTHON, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
-                             env=self.head_env())
-        line = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
-        assert out.returncode == 0 and line, out.stdout + out.stderr
-        self.node_ids = json.loads(line[0][6:])
-        self.node_ports = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("PORTS "))[6:])
-        self.gcs_address = next(x for x in out.stdout.splitlines() if x.startswith("GCS "))[4:]
-        # The job server answers (the dashboard comes up a little after the raylet).
-        deadline = time.monotonic() + 90
-        while True:
-            r = subprocess.run([RAY, "job", "list", "--address", self.url], capture_output=True, text=True,
-                               timeout=60, cwd=REPO, env=self.head_env())
-            if r.returncode == 0:
-                break
-            assert time.monotonic() < deadline, f"job server never answered:\n{r.stdout}{r.stderr}"
-            time.sleep(1)
-
-    def head_env(self):
-        return base_env(self.head.marker, **self.env)
-
-    def submit(self, script: str, *overrides: str, timeout: float = 300, wait: bool = True,
-               submission_id: str = "") -> Run:
-        """``ray job submit`` a jobs/ entrypoint with the venv python; waits for the job (its logs streamed) unless
-        ``wait`` is false (the client then runs on, streaming the logs, until the job ends)."""
-        named = ["--submission-id", submission_id] if submission_id else []
-        cmd = [RAY, "job", "submit", "--address", self.url, *named, "--working-dir", ".",
-               "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--", PYTHON, script, *overrides]
-        run = Run(cmd, self.env)
-        if wait:
-            run.wait(timeout)
-        return run
-
-    def shutdown(self) -> dict:
-        """Kill the worker node's then the head's process group (SIGTERM, SIGKILL after 15 s); return whatever of
-        the cluster was still alive 20 s later (then killed by pid)."""
-        left = {}
-        for name, run in (("worker node", self.node), ("head", self.head)):
-            if run is not None:
-                t0 = time.monotonic()
-                kill_group(run.proc, grace=15)
-                print(f"[cluster] {name}: ray start exited {run.proc.returncode} {time.monotonic() - t0:.1f} s "
-                      f"after SIGTERM; left of it: {sorted(marked_pids(run.marker).values())}")
-        for run in (self.node, self.head):
-            if run is not None:
-                left.update(reap(run.marker))
-        self.node = self.head = None
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-        return left
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    try:
-        c.start()
+                             env=c.head_env())
+        lines = {x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in out.stdout.splitlines() if " " in x}
+        assert out.returncode == 0 and "NODES" in lines, out.stdout + out.stderr
+        c.node_ids, c.node_ports, c.gcs_address = json.loads(lines["NODES"]), json.loads(lines["PORTS"]), lines["GCS"]
         yield c
     finally:
-        if c.head is not None or c.node is not None:
+        if c.head is not None:
             c.shutdown()
-
-
-def _ok(run: Run, what: str) -> None:
-    assert run.proc.returncode == 0, f"{what} exited {run.proc.returncode}:\n{run.tail(80)}"
-    assert "succeeded" in run.output.lower(), run.tail(80)
 
 
 # Each stage's job is a module-scoped fixture that builds on the one before, so every test below also runs alone
@@ -324,13 +230,6 @@ TIMING_COLUMNS = {"decode_seconds", "prefill_seconds", "trace_seconds"}
 LOST_NODE = [*SMALL, "profile.min_repeats=1", "profile.max_repeats=1", "profile.steps=4"]
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class _BusyLabelActor:
     """Run.wait_for predicate: the pid of the label actor on a node (by its Run marker) once it is busy on a shard.
     The node's processes are scanned at most twice a second until the actor's process is found, then only its own
@@ -401,13 +300,26 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
     assert node_id in cluster.node_ids, (node_id, cluster.node_ids)
     job = f"bp-lost-node-{secrets.token_hex(4)}"
     run = cluster.submit("jobs/label.py", f"output_dir={out}", *LOST_NODE, wait=False, submission_id=job)
+    head_busy, node_busy, held = _BusyLabelActor(cluster.head.run.marker), _BusyLabelActor(cluster.node.marker), []
+
+    def node_on_a_shard():
+        """The worker node's actor on a shard; the head's, should it be on one first, frozen there meanwhile: a
+        worker takes shards as soon as it is set up, and the head's must not label every shard before the worker
+        node's actor has one."""
+        if not held and head_busy():
+            os.kill(head_busy.pid, signal.SIGSTOP)
+            held.append(head_busy.pid)
+        return node_busy()
+
     try:
-        actor = run.wait_for(_BusyLabelActor(cluster.node.marker), 600, "the worker node's label actor on a shard")
+        actor = run.wait_for(node_on_a_shard, 600, "the worker node's label actor on a shard")
         os.kill(actor, signal.SIGSTOP)
         title = _cmdline(actor)
         assert title.startswith(f"{LABEL_ACTOR}.process"), title  # frozen on its shard
         os.kill(raylets[0], signal.SIGKILL)
         os.kill(actor, signal.SIGKILL)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
         t_kill = time.monotonic()
         rc = run.wait(300)
         print(f"[lost node] label job exited {rc} {time.monotonic() - t_kill:.1f} s after the kill")
@@ -473,6 +385,6 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
 
 
 def test_teardown_leaves_no_cluster_process(cluster):
-    pids = [cluster.head.proc.pid, cluster.node.proc.pid]
+    pids = [cluster.head.run.proc.pid, cluster.node.proc.pid]
     left = cluster.shutdown()
     assert not left, f"still alive 20 s after killing the process groups {pids}: {left}"

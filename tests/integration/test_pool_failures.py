@@ -1,4 +1,4 @@
-"""Every failure path of the Ray actor pool (stages/ray_executor.py::RayActorPool) against LocalExecutor's, with real
+"""Every failure path of the Ray actor pool (stages/pool.py::RayActorPool) against LocalExecutor's, with real
 actors on the session's local Ray (tests/conftest.py::ray_session: 2 fake GPUs, so 2 actors):
 
 * a shard whose process_shard raises is retried up to ``max_retries`` and failed after it, exactly as LocalExecutor
@@ -27,7 +27,7 @@ from pipeline.executor.stage import Plan, Resources, ShardStage, tasks_from_shar
 from pipeline.io.shards import is_complete, list_shards, shard_name, write_parquet_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.config import load_config
-from stages.ray_executor import RayActorPool
+from stages.pool import RayActorPool
 
 pytestmark = pytest.mark.integration
 

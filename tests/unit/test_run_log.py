@@ -14,7 +14,8 @@ import pytest
 from pipeline.evaluation.table import format_rows
 from pipeline.runtime import log as bp_log
 from pipeline.runtime.config import RayConfig, load_config
-from stages.ray_executor import ray_init_plan, worker_line
+from stages.pool import worker_line
+from stages.ray_runtime import ray_init_plan
 from stages.run import done_line
 
 # Lines Ray printed into a default run (2026-12-01, 674 s) and the patterns that must match none of ours.

@@ -1,0 +1,82 @@
+"""Where a stage's actors go: how many workers it expects, what each asks Ray for, and on which nodes more of them
+may start as the cluster changes (GPU pods that join after the stage started, nodes an actor could not set up on).
+
+The count is decided once from the config and the cluster at the stage's start, never by falling back quietly:
+
+* ``model.device=cuda``: one actor per GPU, whatever the cluster has right now. ``<stage>.num_workers`` of them, or
+  with ``num_workers: null`` as many as the cluster has GPUs (at least one): then the stage waits for them
+  (``workers.wait_s``) instead of starting CPU actors that would load an 8B model in fp32, and a GPU that joins
+  later gets an actor too (``elastic``).
+* ``model.device=auto``: the same when the cluster has a GPU now; without one, CPU actors, said in the log.
+* ``model.device=cpu``: CPU actors, or one per (logical) GPU when the cluster advertises some: a local cluster with
+  ``--num-gpus`` places actors as a GPU cluster does while the models run on the CPU (tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional
+
+from pipeline.executor.stage import Resources
+
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node (its id): what an actor's label_selector can avoid
+
+
+@dataclass
+class Placement:
+    """The workers a stage expects and what each asks Ray for."""
+
+    num_workers: int  # expected at the start (the preflight waits for every one)
+    num_gpus: float  # per actor
+    num_cpus: float
+    device: str  # "cuda" | "cpu": where the models run (the label fingerprint's device kind)
+    elastic: bool = False  # one more actor for every GPU that joins later
+    key: str = "num_workers"  # the config key that sets the count, for messages
+    why: str = ""  # one line for the log
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.num_gpus > 0
+
+    def ask(self) -> Dict[str, float]:
+        """What one actor asks Ray for, as Ray's resources name it."""
+        return {k: v for k, v in (("GPU", self.num_gpus), ("CPU", self.num_cpus)) if v}
+
+    def describe(self) -> str:
+        ask = ", ".join(f"{k}: {v:g}" for k, v in self.ask().items())
+        more = ", and one more for every GPU that joins" if self.elastic else ""
+        return f"{self.num_workers} actor(s) of {{{ask}}}{more}, models on {self.device}"
+
+
+def plan_workers(res: Resources, cluster: Dict[str, float]) -> Placement:
+    """The placement for a stage's resources on a cluster whose ``ray.cluster_resources()`` is ``cluster``."""
+    gpus = int(cluster.get("GPU", 0))
+    n, device, key = res.num_workers, res.device, res.workers_key or "num_workers"
+    if device.startswith("cuda") or gpus > 0:
+        runs_on = "cpu" if device == "cpu" else "cuda"
+        expected = n or max(gpus, 1)
+        why = (f"{key}={n}" if n else f"{key}=null: every GPU ({gpus} now)") + \
+            (", models on the CPU (model.device=cpu)" if runs_on == "cpu" else "")
+        return Placement(expected, 1.0, res.cpus_per_worker, runs_on, elastic=n is None, key=key, why=why)
+    cpus = cluster.get("CPU", 1)
+    # Leave one worker's worth of CPU for the driver and Ray's own tasks.
+    expected = n or max(1, int(cpus / res.cpus_per_worker) - 1)
+    why = f"{key}={n}" if n else f"{key}=null: the cluster's {cpus:g} CPUs less one"
+    if device == "auto":
+        why += "; no GPU in the cluster, so CPU actors (model.device=cuda waits for GPUs instead)"
+    return Placement(expected, 0.0, res.cpus_per_worker, "cpu", key=key, why=why)
+
+
+def avoiding(nodes: Iterable[str]) -> Optional[Dict[str, str]]:
+    """An actor's ``label_selector`` that keeps it off ``nodes`` (None for none): Ray then places it on any other
+    node with the resources, or keeps it pending until one joins."""
+    nodes = sorted(set(nodes))
+    return {NODE_ID_LABEL: f"!in({', '.join(nodes)})"} if nodes else None
+
+
+def could_host(nodes, place: Placement, avoid: Iterable[str]) -> bool:
+    """Whether an alive node outside ``avoid`` has, in all, the resources one actor asks for (``nodes``:
+    ``ray.nodes()``); busy or not, a node that has them will take the actor once they are free."""
+    avoid = set(avoid)
+    return any(n.get("Alive") and n["NodeID"] not in avoid
+               and all(n.get("Resources", {}).get(k, 0) >= v for k, v in place.ask().items()) for n in nodes)

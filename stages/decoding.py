@@ -75,6 +75,23 @@ class DecodingStage(ShardStage):
                 "model.draft": model_provenance(m.draft, m.draft_revision, "model.draft"),
                 "dtype": str(dtype).replace("torch.", ""), "device": self.runs_on, "versions": software_versions()}
 
+    @cached_property
+    def longest_prompt(self) -> int:
+        """The longest prompt the stage decodes, in tokens (what its memory plan is sized for): its prompt shards'
+        ``prompt_tokens``, else prepare.max_prompt_tokens (shards not written yet)."""
+        from pipeline.io.shards import list_shards
+        from pipeline.io.storage import read_table
+
+        shards = list_shards(self.prompts) if self.prompts.exists() else []
+        longest = max((max(read_table(p, columns=["prompt_tokens"]).column(0).to_pylist() or [0]) for p in shards),
+                      default=0)
+        return int(longest or self.cfg.prepare.max_prompt_tokens)
+
+    def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
+        from .memory_checks import engine_check
+
+        return engine_check(self, facts, dtype)
+
     def preflight_spec(self, placement, token: str):
         from pipeline.executor.preflight import PreflightSpec
 

@@ -1,15 +1,10 @@
 """evaluate: adaptive decoding with the policy vs autoregressive, every fixed block size, and the oracle.
 
 The held-out prompt sets (``evaluate.sources``) are built by prepare's own stage into ``eval/prompts/``; decoding
-actors (placed as in ``label``) turn each prompt shard into a result shard ``eval/part-NNNNN.parquet`` with one row
-per prompt x method (resumable shard by shard, through :mod:`pipeline.executor.driver`); at the end the driver writes
-``eval/results.parquet`` (every shard's rows) and the summary tables ``eval/summary.md`` / ``eval/summary.csv``.
-
-The methods (AR, every fixed b, adaptive, with a tuned rule its two parts apart, the oracle):
-:mod:`pipeline.evaluation.methods`; the speedup and the result rows: :mod:`pipeline.evaluation.results`; the
-summary, the headline against the train-chosen fixed b, the cost model's check against wall clock
-(:mod:`pipeline.evaluation.cost_check`: ``cost_model`` in ``summary.json``) and their rendering:
-:mod:`pipeline.evaluation`.
+actors (placed as in ``label``) turn each prompt shard into ``eval/part-NNNNN.parquet``, one row per prompt x method
+(resumable shard by shard); at the end the driver writes ``eval/results.parquet`` and ``eval/summary.{md,csv}``; then
+the pass at load (:mod:`stages.evaluate_load`). The methods, result rows, summary, headline and the cost model's
+check against wall clock: :mod:`pipeline.evaluation`.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from pipeline.data.schemas import RESULTS_SCHEMA
 from pipeline.evaluation.cost_check import cost_check
 from pipeline.evaluation.headline import comparisons, headlines, train_chosen_b
 from pipeline.evaluation.methods import (PER_STEP, POLICY_ONLY, fixed_block_sizes, methods_for,
-                                         oracle_block_size)
+                                         oracle_block_size, rule_methods)
 from pipeline.evaluation.render import render_csv, render_markdown, results_card, summary_lines
 from pipeline.evaluation.distribution import distribution_summary
 from pipeline.evaluation.results import Sampled, result_row, with_modelled_time
@@ -37,7 +32,6 @@ from pipeline.executor.stage import Rejects, Worker
 from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, write_parquet_atomic,
                                 write_text_atomic)
 from pipeline.io.storage import location, read_table
-from pipeline.evaluation.rule_search import family
 from pipeline.policy.step_rules import load_rule
 
 from .ray_executor import execute
@@ -111,15 +105,7 @@ class EvaluateStage(DecodingStage):
 
     @cached_property
     def rule_methods(self) -> Dict[str, str]:
-        """{method: rule} of the per-step rules decoded apart: ``per-step`` (tune's choice) and, beside it, tune's
-        best rule of the threshold and learned families where that is another rule (method = the family)."""
-        if self.step_rule is None:
-            return {}
-        out = {PER_STEP: self.step_rule["rule"]}
-        for fam, line in (self.step_rule.get("families") or {}).items():
-            if fam in ("threshold", "learned") and line["rule"] != self.step_rule["rule"]:
-                out[fam] = line["rule"]
-        return out
+        return rule_methods(self.step_rule)
 
     @property
     def methods(self) -> List[str]:
@@ -261,23 +247,15 @@ class EvaluateStage(DecodingStage):
         return pa.Table.from_pylist(rows, schema=RESULTS_SCHEMA.with_metadata(encode_metadata(meta)))
 
     def per_step_check(self, ids, steps) -> Dict[str, Any]:
-        """At T = 0, with rules decoded: this prompt's trace at b_max (labelling's own recorder, along the target's
-        greedy continuation), the simulator's lengths for each rule against its decode, and the per-step oracle's
-        modelled seconds. {} otherwise."""
+        """At T = 0, with rules decoded and a cost profile: each rule's simulated lengths against its decode, and
+        the per-step oracle's modelled seconds (pipeline.labelling.labels.per_step_check); {} otherwise."""
         if not steps or self.cfg.decode.temperature > 0 or self.cost_profile is None:
             return {}
-        from pipeline.labelling.labels import replay_label_prompt
-        from pipeline.policy.simulate import per_step_oracle, simulate
+        from pipeline.labelling.labels import per_step_check
 
-        bm = int(self.step_rule["max_block_size"])
-        trace = replay_label_prompt(self.engine, ids, [bm], self.cfg.decode.max_new_tokens,
-                                    trace_block_size=bm).trace
-        out: Dict[str, Any] = {m: simulate(trace, self.rules[m])[0] == res.runs[0].verified
-                               for m, (_, res) in steps.items()}
-        costs = [self.cost_profile.step_seconds(bm, k) for k in range(1, bm)]
-        out["oracle"] = self.cost_profile.decode_seconds(per_step_oracle(trace, costs), bm, rule=True,
-                                                         context=int(ids.shape[1]))
-        return out
+        return per_step_check(self.engine, ids, {m: (self.rules[m], res.runs[0].verified) for m, (_, res) in
+                                                 steps.items()}, int(self.step_rule["max_block_size"]),
+                              self.cfg.decode.max_new_tokens, self.cost_profile)
 
     # -- the driver, at the end --
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
@@ -315,23 +293,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     require_complete([(stage.train_dir, "blockpilot train")])  # before building prompt sets for nothing
     execute(prompt_sets(cfg))
     summary = execute(stage)
-    from .evaluate_load import run_load  # c > 1 of evaluate.concurrency: every prompt served c at a time
+    from .evaluate_load import run_load, with_load  # c > 1 of evaluate.concurrency: every prompt served c at a time
 
     loads = run_load(cfg, stage)
-    if not loads:
-        return summary
-    return {**summary, **with_load(stage, summary, loads)}
-
-
-def with_load(stage: EvaluateStage, summary: Dict[str, Any], loads: Dict[str, Any]) -> Dict[str, Any]:
-    """summary.json's ``headline_by_concurrency`` ({c: headline}: c = 1's is ``headline``, each c > 1's against
-    b*(c) and b*(1) with its wall-clock intervals) and ``load`` (eval/load.json's), written into the folder's
-    summary.json beside what the per-prompt pass wrote."""
-    from pipeline.io.shards import write_json_atomic
-
-    extra = {"headline_by_concurrency": {"1": summary.get("headline"),
-                                         **{c: s["headline"] for c, s in loads.items()}}, "load": loads}
-    path = stage.folder / "summary.json"
-    if path.exists():
-        write_json_atomic({**json.loads(path.read_text()), **extra}, path)
-    return extra
+    return {**summary, **with_load(stage, summary, loads)} if loads else summary

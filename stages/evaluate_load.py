@@ -88,6 +88,8 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
 
+    from .memory_checks import engines_at_once
+
     models = load_models(cfg.model)
     if models.device.type == "cpu":
         threads = torch.get_num_threads()
@@ -112,14 +114,16 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
                 choosers["per-step"] = fixed(rule[1], rule[0])
             choosers[ADAPTIVE] = _adaptive(policy.at_load(c), rule)
             baselines = {"b*(c)": f"b={sched[c]}", "b*(1)": f"b={sched[1]}"}
-            log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods, "
-                                 f"b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
+            # every method's engine at once when their slot caches fit the memory plan's budget, else fewer
+            at_once = engines_at_once(cfg, models, prompts, c, len(choosers), max(stage.candidates))
+            log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods ({at_once} at a "
+                                 f"time), b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
             got = evaluate_at_load(batched, prompts, c, choosers, list(baselines.values()),
                                    cfg.evaluate.load_repeats, cfg.decode.max_new_tokens, load_cost, cfg.decode.seed,
-                                   log=log("evaluate").debug, temperature=cfg.decode.temperature,
+                                   log=log("evaluate").debug, max_engines=at_once, temperature=cfg.decode.temperature,
                                    top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
             rows += got
-            summaries[str(c)] = load_summary(got, c, baselines)
+            summaries[str(c)] = {**load_summary(got, c, baselines), "engines_at_once": at_once}
     finally:
         if models.device.type == "cpu":
             torch.set_num_threads(threads)
@@ -165,3 +169,17 @@ def _adaptive(policy, rule):
         return a.block_size, None
 
     return choose
+
+
+def with_load(stage, summary: Dict[str, Any], loads: Dict[str, Any]) -> Dict[str, Any]:
+    """summary.json's ``headline_by_concurrency`` ({c: headline}: c = 1's is ``headline``, each c > 1's against
+    b*(c) and b*(1) with its wall-clock intervals) and ``load`` (eval/load.json's), written into the folder's
+    summary.json beside what the per-prompt pass wrote."""
+    from pipeline.io.shards import write_json_atomic
+
+    extra = {"headline_by_concurrency": {"1": summary.get("headline"),
+                                         **{c: s["headline"] for c, s in loads.items()}}, "load": loads}
+    path = stage.folder / "summary.json"
+    if path.exists():
+        write_json_atomic({**json.loads(path.read_text()), **extra}, path)
+    return extra

@@ -93,21 +93,37 @@ class LabelStage(DecodingStage):
     def precision(self) -> str:
         return self.cfg.label.logits_precision
 
+    auto_batch = None  # label.batch_size=auto: what this worker's memory plan fits (set in setup)
+
     @property
     def label_batch_size(self) -> int:
-        """Prompts per forward: label.batch_size in replay mode; exhaustive mode is batch-1 (the reference)."""
-        return int(self.cfg.label.batch_size) if self.mode == "replay" else 1
+        """Prompts per forward: label.batch_size in replay mode (with auto, what fits this worker's memory);
+        exhaustive mode is batch-1 (the reference)."""
+        if self.mode != "replay":
+            return 1
+        return self.auto_batch if self.cfg.label.batch_size == "auto" else int(self.cfg.label.batch_size)
 
     def describe(self) -> str:
         precision = f" logits_precision={self.precision}" if self.precision != "fp16" else ""
         return (f"B={self.block_size} candidates={self.candidates} mode={self.mode} "
-                f"batch_size={self.label_batch_size}{precision}")
+                f"batch_size={self.cfg.label.batch_size if self.mode == 'replay' else 1}{precision}")
+
+    def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
+        from .memory_checks import label_check
+
+        return label_check(self, facts, dtype)
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
         from pipeline.decoding.load_profile import profile_with_load
 
         super().setup(worker)
+        if self.mode == "replay" and self.cfg.label.batch_size == "auto":  # what fits this worker's device
+            from pipeline.executor.preflight import device_facts
+
+            from .memory_checks import label_check
+
+            self.auto_batch = int(label_check(self, device_facts(self.models.device.type), self.models.dtype)["batch"])
         # The cost model, once per worker on its own device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and
         # verify timed apart; it goes into every shard's metadata and, at the end, into the folder's cost profile.
         self.cost_profile = profile_with_load(self.engine, self.cfg, self.block_size, self.candidates,
@@ -118,7 +134,7 @@ class LabelStage(DecodingStage):
         p = self.cost_profile
         ms = [c * 1e3 for c in self.step_cost.values()]
         lo, hi = min(self.candidates), max(self.candidates)
-        return {**super().worker_info(),
+        return {**super().worker_info(), "batch": self.label_batch_size,
                 # the worker's line in the log (stages.pool.worker_line prints scalars only) ...
                 "step_ms": f"{min(ms):.3f}..{max(ms):.3f} at b={lo}..{hi} (profiled in {p.meta['wall_seconds']} s, "
                            f"{p.meta['rounds']} rounds{'' if p.meta['stable'] else ', not stable'})",
@@ -219,7 +235,7 @@ class LabelStage(DecodingStage):
         lines = [f"label histogram (b:rows) {hist}; mean tau (b:tau) {tau}"]  # not a dict's repr
         b = summary.get("batching") or {}
         if b.get("batches"):
-            lines.append(f"batches: {b['batches']} of label.batch_size={self.cfg.label.batch_size}; "
+            lines.append(f"batches: {b['batches']} (label.batch_size={self.cfg.label.batch_size}); "
                          f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
                          f"{b['prompts_retried_alone']} prompts retried one by one")
         return lines

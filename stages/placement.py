@@ -80,3 +80,51 @@ def could_host(nodes, place: Placement, avoid: Iterable[str]) -> bool:
     avoid = set(avoid)
     return any(n.get("Alive") and n["NodeID"] not in avoid
                and all(n.get("Resources", {}).get(k, 0) >= v for k, v in place.ask().items()) for n in nodes)
+
+
+def ray_asks(cfg, stage: str) -> list:
+    """What each part of ``stage`` asks Ray for, from the config alone (no cluster): ``blockpilot submit --dry-run``.
+    The count of GPU actors is the cluster's GPUs when the config leaves it null, known only once the job runs."""
+    w, device = cfg.workers, cfg.model.device
+    cpu = f"CPU: {w.cpus_per_worker:g}"
+
+    def actors(key: str, n) -> str:
+        count = f"{n} actor(s)" if n else "one actor per GPU (and per GPU that joins)"
+        if device.startswith("cuda"):
+            return f"{count}, each {{GPU: 1, {cpu}}}, models on cuda (waits up to workers.wait_s={w.wait_s:g} s)"
+        gpu = f"{count}, each {{GPU: 1, {cpu}}}, on a cluster with GPUs, models on " + \
+            ("the CPU (model.device=cpu)" if device == "cpu" else "cuda")
+        return f"{gpu}; without GPUs {n or 'the CPUs less one'} actor(s) of {{{cpu}}}, models on the CPU ({key})"
+
+    t = cfg.train
+    gpu_train = "a GPU each" if t.use_gpu else "no GPU" if t.use_gpu is False else \
+        "a GPU each if the cluster has one per worker"
+    mlp = ""
+    if t.model == "mlp":  # the paper's MLP: at V = 151,936 its first layer alone is 311M parameters
+        try:
+            from pipeline.decoding.memory import GiB, policy_plan
+
+            from .memory_checks import model_configs
+
+            vocab = model_configs(cfg)[0].vocab_size
+            plan = policy_plan(vocab, 2 * cfg.label.k + 1, t.hidden, t.n_layers, t.batch_size, device="cpu")
+            mlp = f", {plan.weights['policy parameters'] / 4e6:.0f}M parameters at V={vocab}: " \
+                  f"{plan.peak / GiB:.1f} GiB per worker"
+        except Exception as err:  # noqa: BLE001 - the target's config out of reach here (a hub id offline)
+            mlp = f" (its memory: the target's config is not readable here: {type(err).__name__})"
+    parts = {
+        "prepare": ["prepare: in the job's driver (tokenizer only; asks nothing)"],
+        "label": [f"label: {actors('label.num_workers', cfg.label.num_workers)}; each plans its memory at "
+                  f"label.batch_size={cfg.label.batch_size} (blockpilot preflight prints the plan)"],
+        "train": [f"train: Ray Train, {t.num_workers} worker(s) of {{CPU: 1 or 0.5}} and {gpu_train} "
+                  f"(train.use_gpu={t.use_gpu}); model {t.model}{mlp}"],
+        "tune": [f"tune: {actors('tune.num_workers', cfg.tune.num_workers)}"],
+        "evaluate": [f"evaluate: {actors('evaluate.num_workers', cfg.evaluate.num_workers)}"] + (
+            [f"evaluate at load (c = {', '.join(str(c) for c in cfg.evaluate.concurrency if c > 1)}): one task "
+             f"asking what one evaluate actor asks, after the actors are gone"]
+            if any(c > 1 for c in cfg.evaluate.concurrency) else []),
+    }
+    driver = ["the job's driver (the entrypoint, on the node the job server picks, usually the head): plans, "
+              "preflight, manifests; asks Ray for nothing"]
+    order = ("prepare", "label", "train", "tune", "evaluate") if stage == "run" else (stage,)
+    return driver + [line for s in order for line in parts.get(s, [])]

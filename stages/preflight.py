@@ -48,6 +48,8 @@ def preflight(run, actors) -> Report:
     say.info(f"preflight: {sum('pid' in r for r in rows)}/{len(actors)} workers ({place.describe()})")
     for line in table(rows):
         say.info("  " + line)
+    for line in ((rows[0].get("memory") or {}).get("plan") or "").splitlines():  # the first worker's plan, with -v
+        say.debug("  " + line)
     _clean(spec)
     if problems:
         first = "; ".join(f"{w}: {k}: {m}" for w, k, m in problems[:3])

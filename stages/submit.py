@@ -145,6 +145,10 @@ def submit_command(args: argparse.Namespace) -> int:
     runtime_env = {"working_dir": str(root), "excludes": plan.excludes}
     print(f"blockpilot submit: entrypoint: {command}", file=err)
     if args.dry_run:
+        from .placement import ray_asks
+
+        for line in ray_asks(cfg, args.target):
+            print(f"  asks: {line}", file=err)
         print(f"blockpilot submit: dry run, nothing submitted (address {address}); excludes: {plan.excludes}",
               file=err)
         return 0

@@ -23,7 +23,7 @@ from pipeline.data.validate import validate_dataset
 from pipeline.executor.folder import StageFolder
 from pipeline.io.layout import CURVES, MANIFEST, METRICS, POLICY, RunLayout
 from pipeline.io.shards import file_sha256
-from pipeline.io.storage import arrow_filesystem, is_remote, resolve
+from pipeline.io.storage import arrow_filesystem, resolve
 from pipeline.runtime.config import PipelineConfig
 from pipeline.runtime.log import get as log
 from pipeline.training import checkpoint
@@ -158,15 +158,6 @@ def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
     return fp
 
 
-def _storage(train_dir) -> Dict[str, Any]:
-    """Ray Train's checkpoint storage: the train folder itself, on disk or in object storage (through the same
-    filesystem client as the other stages, so an S3-compatible endpoint set in the environment applies to both)."""
-    if not is_remote(train_dir):
-        return {"storage_path": str(train_dir)}
-    fs, path = arrow_filesystem(train_dir)
-    return {"storage_path": path, "storage_filesystem": fs}
-
-
 def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, Any]:
     """The train and val splits as Ray Datasets over the shards, read through the stages' own filesystem client
     (local or object storage)."""
@@ -223,7 +214,7 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
         # The MLP's workers each take a part of the train split; every ridge worker needs all of it.
         dataset_config=DataConfig(datasets_to_split=["train"] if cfg.train.model == "mlp" else []),
         run_config=RunConfig(
-            name=RUN_NAME, **_storage(train_dir),
+            name=RUN_NAME, **checkpoint.storage(train_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             logging_config=ray_train_logging_config(),
@@ -239,6 +230,16 @@ def _log_start(cfg: PipelineConfig, problem: Problem, use_gpu: bool) -> None:
     log("train").info(f"{int(s.train.sum())} train / {int(s.calib.sum())} calibration / {int(s.val.sum())} val rows, "
                       f"objective {t.objective} ({how}), candidates {problem.candidates}{rules}, "
                       f"V={problem.vocab_size}, {t.num_workers} worker(s), gpu={use_gpu}")
+    if t.model == "mlp":  # where it runs and what it needs: at V = 151,936 the first layer alone is 311M parameters
+        from pipeline.decoding.memory import GiB, policy_plan
+
+        plan = policy_plan(problem.vocab_size, len(problem.action_names), t.hidden, t.n_layers, t.batch_size,
+                           device="cuda" if use_gpu else "cpu")
+        params = plan.weights["policy parameters"] // 4
+        log("train").info(f"the MLP: {params / 1e6:.1f}M parameters (first layer {problem.vocab_size * t.hidden / 1e6:.1f}M); "
+                          f"each worker plans {plan.peak / GiB:.2f} GiB on {'a GPU' if use_gpu else 'the CPU'} "
+                          f"(weights, gradients, Adam's moments, a batch of {t.batch_size}); a checkpoint holds "
+                          f"~{12 * params / GiB:.2f} GiB (weights and Adam's moments)")
     if problem.costs is not None:
         from pipeline.policy.labels import speed_label
 

@@ -111,3 +111,41 @@ def learned_rule(b_max: int, slope: float = 0.15, w_conf: float = 0.5, w_prev: f
                     for f in FEATURES)
     model = AcceptanceModel(intercept, weights, (0.0,) * len(FEATURES), (1.0,) * len(FEATURES), FEATURES, b_max)
     return LearnedVerify(model, tuple(1.0 + slope * k for k in range(1, b_max)), rate)
+
+
+ZLAB_MASK_ID = 151669  # the z-lab Qwen3 DFlash drafts' mask token (<|MASK|>, added after Qwen3's own tokens)
+
+
+def save_real_shaped_pair(folder, hidden: int = 64, target_layers: int = 6, draft_layers: int = 2, seed: int = 0):
+    """A random Qwen3 target at Qwen3's vocabulary (V = 151,936) and a DFlash draft whose config.json has the z-lab
+    DFlash-b16 layout: ``architectures`` DFlashDraftModel, ``block_size`` 16, ``num_target_layers``, and
+    ``dflash_config`` with ``mask_token_id`` (z-lab's 151,669) and ``target_layer_ids`` (dflash's own evenly spaced
+    choice, as z-lab's [1, 9, 17, 25, 33] is for 36 layers). Narrow (``hidden``) and shallow, so that the CPU runs
+    every stage on it: what is real is the vocabulary and the config keys every code path reads. The lm_head is tilted
+    as in :func:`make_pair` so that acceptance varies. Saved as checkpoints the loader reads; returns the folders."""
+    from pathlib import Path
+
+    from dflash.model import build_target_layer_ids
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    heads = max(2, hidden // 32)
+    common = dict(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6)
+    target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=target_layers, tie_word_embeddings=False,
+                                          eos_token_id=QWEN3_VOCAB - 2, **common)).eval()
+    draft_cfg = Qwen3Config(num_hidden_layers=draft_layers, num_target_layers=target_layers, **common)
+    draft_cfg.architectures = ["DFlashDraftModel"]
+    draft_cfg.block_size = 16
+    draft_cfg.dflash_config = {"mask_token_id": ZLAB_MASK_ID,
+                               "target_layer_ids": build_target_layer_ids(target_layers, draft_layers)}
+    draft = DFlashDraftModel(draft_cfg).eval()
+    with torch.no_grad():
+        w = target.lm_head.weight
+        u = torch.randn(w.shape[1])
+        w[3] += 0.3 * u / u.norm()
+        w[4] -= 0.3 * u / u.norm()
+    target.save_pretrained(folder / "target")
+    draft.save_pretrained(folder / "draft")
+    return folder / "target", folder / "draft"

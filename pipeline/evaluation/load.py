@@ -35,7 +35,9 @@ Every evaluation prompt served c at a time by the batched engine (continuous bat
 timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `b*(c)`, the
 train-chosen b at c, and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
 the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
-says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device).
+says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device), and
+each c its `engines_at_once` (how many methods' engines ran in lockstep: all of them unless their slot caches exceed
+the memory plan's budget, stages/memory_checks.py; then the methods run in groups, adaptive with its baselines).
 
 | column | meaning |
 | --- | --- |
@@ -99,11 +101,16 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
 
 def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[str, Callable], baselines: Sequence[str],
                      repeats: int, max_new_tokens: int, load_cost=None, seed: int = 0,
-                     log: Callable[[str], None] = lambda s: None, **sampling) -> List[Dict[str, Any]]:
+                     log: Callable[[str], None] = lambda s: None, max_engines: Optional[int] = None,
+                     **sampling) -> List[Dict[str, Any]]:
     """Rows for every method of ``choosers`` ({method: choose(i, logits, hidden)}) at concurrency c. Methods whose
     choices coincide for every request share one decode (the first named); ``baselines`` and ``adaptive`` are
     timed ``repeats`` times, the rest once. ``sampling``: temperature, top_p, top_k as the engine takes them; at
-    T > 0 each repeat draws afresh (torch's generator seeded ``seed`` + repeat)."""
+    T > 0 each repeat draws afresh (torch's generator seeded ``seed`` + repeat).
+
+    ``max_engines`` bounds the engines in lockstep (each holds its own slot caches: the memory plan's choice): a
+    repeat's methods then run in groups of that many, adaptive and its baselines in the first group together (their
+    paired ratios stay within one lockstep), the groups one after the other."""
     choices = _choices(batched, prompts, choosers)
     distinct: Dict[str, str] = {}  # method -> the method whose decode it is
     for m in choosers:
@@ -115,13 +122,19 @@ def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[s
     for rep in range(repeats):
         order = [m for m in timed if rep == 0 or m in repeated]
         order = [order[i] for i in rng.permutation(len(order))]
+        order = [m for m in order if m in repeated] + [m for m in order if m not in repeated]
+        size = max(1, min(max_engines or len(order), len(order)))
         t0 = time.perf_counter()
         torch.manual_seed(seed + rep)
-        runs = batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in order], prompts, c, max_new_tokens,
-                                    **sampling)
+        runs = []
+        for g in range(0, len(order), size):
+            group = order[g:g + size]
+            runs += batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in group], prompts, c,
+                                         max_new_tokens, **sampling)
         for m, run in zip(order, runs):
             rows.append(run_row(c, m, rep, run, load_cost))
-        log(f"c={c} repeat {rep + 1}/{repeats}: {len(order)} methods in lockstep ({time.perf_counter() - t0:.1f} s): "
+        log(f"c={c} repeat {rep + 1}/{repeats}: {len(order)} methods, {size} at a time in lockstep "
+            f"({time.perf_counter() - t0:.1f} s): "
             + ", ".join(f"{m} {r['throughput']:.0f}" for m, r in zip(order, rows[-len(order):])) + " tok/s")
     for m, o in distinct.items():  # the methods that share a decode: its rows under their name
         if o != m:
@@ -200,4 +213,7 @@ def render_load(s: Dict[str, Any]) -> List[str]:
     err = s["cost_model"]["mean_abs_speedup_error"]
     if err is not None:
         lines.append(f"  cost model: mean |speedup error| {err:.1%}")
+    k = s.get("engines_at_once")
+    if k and k < len(t):
+        lines.append(f"  timed {k} method(s) at a time: every method's slot caches at once exceed the memory plan")
     return lines

@@ -40,6 +40,19 @@ def methods_for(fixed: List[int], per_step: bool = False, rule_families: Sequenc
             "oracle"]
 
 
+def rule_methods(step_rule: Optional[Dict[str, Any]]) -> Dict[str, str]:
+    """{method: rule} of the per-step rules evaluate decodes apart, from tune's step_rule.json: ``per-step`` (tune's
+    choice) and, beside it, tune's best rule of the threshold and learned families where that is another rule
+    (method = the family); {} without one."""
+    if step_rule is None:
+        return {}
+    out = {PER_STEP: step_rule["rule"]}
+    for fam, line in (step_rule.get("families") or {}).items():
+        if fam in ("threshold", "learned") and line["rule"] != step_rule["rule"]:
+            out[fam] = line["rule"]
+    return out
+
+
 def fixed_methods(methods: Sequence[str]) -> List[str]:
     return [m for m in methods if m.startswith("b=")]
 

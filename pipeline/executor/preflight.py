@@ -189,15 +189,15 @@ def where(row: Dict[str, Any]) -> str:
 
 def table(rows: List[Dict[str, Any]]) -> List[str]:
     """One short line per worker."""
-    head = f"{'worker':<24} {'node':<15} {'device':<22} {'dtype':<9} {'models':<9} {'output':<6} memory (plan/free)"
+    head = f"{'worker':<24} {'node':<15} {'device':<22} {'dtype':<9} {'models':<9} {'output':<6} memory plan/budget"
     lines = [head]
     for r in rows:
         models = set((r.get("models") or {}).values())
         ok = "-" if not models else "ok" if models == {"ok"} else "FAIL"
         mem = r.get("memory") or {}
         have = mem.get("have") or r.get("memory_free")
-        memory = (f"{mem['need'] / GB:.1f}/{have / GB:.1f} GB" if mem.get("need") and have
-                  else f"-/{have / GB:.1f} GB" if have else "-")
+        memory = (f"{mem['need'] / GB:.1f}/{have / GB:.1f} GiB" if mem.get("need") and have
+                  else f"-/{have / GB:.1f} GiB" if have else "-") + (f" (batch {mem['batch']})" if "batch" in mem else "")
         device = str(r.get("device_name") or "-")[:14] + (f" gpu{','.join(r.get('gpu_ids', []))}"
                                                           if r.get("gpu_ids") else "")
         bad = " !" if r.get("problems") else ""

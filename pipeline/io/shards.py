@@ -165,7 +165,7 @@ def _change(key: str, before: Any, now: Any) -> str:
     """``key`` with its two values when they are short (a revision, a dtype, a number): what a user needs to see."""
     def short(v):
         text = json.dumps(v, sort_keys=True, default=str)
-        return text if len(text) <= 60 else None
+        return text if len(text) <= 90 else None  # a sha256 revision (73) fits
 
     a, b = short(before), short(now)
     return f"{key} {a} -> {b}" if a is not None and b is not None else key

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -120,3 +120,18 @@ def logits_to_numpy(logits: torch.Tensor, precision: str = "fp16") -> np.ndarray
     from pipeline.data.schemas import round_logits
 
     return round_logits(logits.detach().float().cpu().numpy(), precision)
+
+
+def per_step_check(engine, ids, decoded: Dict[str, tuple], b_max: int, max_new_tokens: int, cost_profile):
+    """Evaluate's check of the simulator on one prompt at T = 0: the prompt's trace at ``b_max`` (labelling's own
+    recorder, along the target's greedy continuation), then for each method of ``decoded`` ({method: (rule, the
+    verified lengths its decode took)}) whether the simulator's lengths equal the decode's, and (``oracle``) the
+    per-step oracle's modelled seconds."""
+    from pipeline.policy.simulate import per_step_oracle, simulate
+
+    trace = replay_label_prompt(engine, ids, [b_max], max_new_tokens, trace_block_size=b_max).trace
+    out: Dict[str, Any] = {m: simulate(trace, rule)[0] == verified for m, (rule, verified) in decoded.items()}
+    costs = [cost_profile.step_seconds(b_max, k) for k in range(1, b_max)]
+    out["oracle"] = cost_profile.decode_seconds(per_step_oracle(trace, costs), b_max, rule=True,
+                                                context=int(ids.shape[1]))
+    return out

@@ -60,7 +60,11 @@ def validate(cfg) -> None:
     _check(cfg.label.k >= 0, "label.k", "must be >= 0")
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
-    for key, low in (("label.num_workers", 1), ("label.batch_size", 1), ("label.trace_block_size", 2),
+    b = cfg.label.batch_size
+    _check(b == "auto" or (isinstance(b, int) and not isinstance(b, bool) and b >= 1), "label.batch_size",
+           f"{b!r} is neither an integer >= 1 nor auto")
+    _check(cfg.label.memory_gb is None or cfg.label.memory_gb > 0, "label.memory_gb", "must be > 0")
+    for key, low in (("label.num_workers", 1), ("label.trace_block_size", 2),
                      ("prepare.shard_size", 1), ("prepare.max_prompt_tokens", 1), ("prepare.limit", 1),
                      ("train.checkpoint_every", 1), ("profile.max_block_size", 1)):  # None: unset, or no bound
         _check(_get(cfg, key) is None or _get(cfg, key) >= low, key, f"must be >= {low}")

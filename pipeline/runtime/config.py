@@ -134,8 +134,12 @@ class LabelConfig:
     num_workers: Optional[int] = 2
     mode: str = "auto"  # one of LABEL_MODES: auto (= replay at T = 0, else exhaustive) | exhaustive | replay
     # Prompts per actor forward in replay mode (pipeline/labelling/batched.py; exhaustive mode is batch-1), within a
-    # shard; 1 = batch-1 replay. A batch that fails is retried prompt by prompt.
-    batch_size: int = 64
+    # shard; 1 = batch-1 replay; "auto" = the largest batch whose memory plan (pipeline/decoding/memory.py) fits
+    # label.memory_gb, worker by worker. A batch that fails is retried prompt by prompt, and counted.
+    batch_size: Any = 64
+    # The memory a label worker may plan for (GB, weights included); None = 90 % of its device's memory (a GPU's
+    # total, or on CPU the host's available memory). The preflight refuses a batch_size that does not fit it.
+    memory_gb: Optional[float] = None
     # b_max of every row's per-step trace (pipeline/labelling/trace.py) and of tune's rules; None = B + B // 4.
     trace_block_size: Optional[int] = None
     # One of LOGITS_PRECISIONS: what the stored logits are rounded to; bf16 rows are ~22 % smaller than fp16.

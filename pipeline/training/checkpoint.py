@@ -36,3 +36,15 @@ def restore(folder: Path, model, opt) -> Tuple[int, List[Dict[str, Any]]]:
     if opt is not None:
         opt.load_state_dict(state["optimizer"])
     return int(state["epoch"]) + 1, history
+
+
+def storage(train_dir) -> Dict[str, Any]:
+    """Ray Train's checkpoint storage (RunConfig's storage_path and storage_filesystem): the train folder itself, on
+    disk or in object storage (through the same filesystem client as the other stages, so an S3-compatible endpoint
+    set in the environment applies to both)."""
+    from pipeline.io.storage import arrow_filesystem, is_remote
+
+    if not is_remote(train_dir):
+        return {"storage_path": str(train_dir)}
+    fs, path = arrow_filesystem(train_dir)
+    return {"storage_path": path, "storage_filesystem": fs}

@@ -44,10 +44,15 @@ class Scripted(ShardStage):
 
     name = "scripted"
 
-    def __init__(self, cfg, inputs: Path, folder: Path, attempts: Path, retries: int, raises=None, crash=()):
+    def __init__(self, cfg, inputs: Path, folder: Path, attempts: Path, retries: int, raises=None, crash=(),
+                 setup_error=None):
         super().__init__(cfg, folder)
         self.inputs, self.attempts, self.retries = inputs, attempts, retries
-        self.raises, self.crash = dict(raises or {}), set(crash)
+        self.raises, self.crash, self.setup_error = dict(raises or {}), set(crash), setup_error
+
+    def setup(self, worker):
+        if self.setup_error:  # what a hub error or an out-of-memory while loading looks like to the pool
+            raise OSError(self.setup_error)
 
     def fingerprint(self):
         return {"double": True}
@@ -170,3 +175,16 @@ def test_no_worker_left_names_every_shard_not_done(inputs, tmp_path, ray_session
     assert sorted(re.search(r"(part-\d+\.parquet) FAILED", m).group(1) for m in progress) == SHARDS, progress
     assert progress[-1].startswith("8/8 rows ") and progress[-1].endswith(
         " FAILED: not run: no worker left (2 dropped, their restarts used up)"), progress
+
+
+def test_no_worker_that_can_start_fails_the_stage_with_the_setup_error(inputs, tmp_path, ray_session, caplog):
+    # Both actors' setups raise on the one node there is: no other node can take a worker, so the stage fails at
+    # once (not after workers.wait_s), saying why, and nothing is written.
+    caplog.set_level("WARNING", logger="blockpilot")
+    error, counts, out = run_scripted(tmp_path, inputs, pool, retries=1, setup_error="hub unreachable: 503")
+    assert error is not None and error.startswith("scripted: no worker could start (node "), error
+    assert "OSError: hub unreachable: 503" in error, error
+    assert sum(counts.values()) == 0 and list_shards(out) == [] and not is_complete(out)
+    failed = [r.getMessage() for r in caplog.records if "could not set up" in r.getMessage()]
+    assert len(failed) == 2 and all("OSError: hub unreachable: 503" in m for m in failed), failed
+    assert all(m.endswith("no other node can take a worker") for m in failed), failed

@@ -108,3 +108,15 @@ def test_evaluate_help_lists_the_prepare_keys_its_prompts_depend_on():
                          text=True, check=True, cwd=REPO_ROOT).stdout
     for key in ("max_prompt_tokens:", "apply_chat_template:", "shard_size:", "num_workers:", "cpus_per_worker:"):
         assert key in out, key
+
+
+@pytest.mark.parametrize("stage", ["prepare", "label", "profile", "tune", "evaluate", "preflight", "run"])
+@pytest.mark.parametrize("key", ["model.draft", "model.target"])
+def test_a_model_that_is_not_there_fails_in_one_line_naming_its_key(stage, key, tmp_path):
+    """Before anything else (no Ray, no folder, not even the check that earlier stages are complete)."""
+    r = subprocess.run([sys.executable, "-m", "stages.cli", stage, f"output_dir={tmp_path / 'run'}",
+                        f"{key}=/nonexistent/model"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"blockpilot {stage}: error: {key}: '/nonexistent/model' is neither a local "
+                                     "folder nor a hub id (a hub id is 'owner/name')"], r.stderr
+    assert not (tmp_path / "run").exists()

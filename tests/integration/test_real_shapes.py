@@ -1,0 +1,79 @@
+"""Every stage at a real model's shapes: a random-weight Qwen3 target at Qwen3's vocabulary (V = 151,936) and a draft
+whose config.json has the z-lab DFlash-b16 layout (``block_size`` 16, ``dflash_config`` with ``mask_token_id`` and
+``target_layer_ids``, ``num_target_layers``), built here (tests/random_pair.py ``save_real_shaped_pair``): narrow and
+shallow, so that a CPU runs it, but every code path meets the real vocabulary and the real config keys.
+
+``blockpilot run`` (prepare, label at B = 16's candidates 14..18, train with the paper's MLP, whose first layer is
+V x 2048 = 311M parameters, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short
+outputs; its own local Ray, as the README's first command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pyarrow.parquet as pq
+
+from conftest import ONE_SOURCE
+from random_pair import QWEN3_VOCAB, ZLAB_MASK_ID, save_real_shaped_pair
+
+from .conftest import BLOCKPILOT, REPO, blockpilot
+
+SETTINGS = [
+    *ONE_SOURCE, "model.tokenizer=bundled:tiny-target", "model.device=cpu", "progress=false",
+    "prepare.limit=8", "prepare.shard_size=4", "decode.max_new_tokens=16", "label.k=2", "label.batch_size=4",
+    "workers.cpus_per_worker=0.5",
+    # one short round of the start-up cost profile, c = 1 and 4
+    "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
+    "profile.concurrency=[1,4]",
+    # the paper's MLP and objective, one epoch (its checkpoint alone is ~3.7 GB: weights and Adam's moments)
+    "train.model=mlp", "train.objective=paper", "train.hidden=2048", "train.n_layers=2", "train.epochs=1",
+    "train.checkpoint_every=1", "train.batch_size=8", "train.use_gpu=false",
+    "evaluate.limit=2", "evaluate.concurrency=[1,4]", "evaluate.load_repeats=2", "evaluate.per_step=false",
+]
+
+
+def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory):
+    work = tmp_path_factory.mktemp("real-shapes")
+    try:
+        target, draft = save_real_shaped_pair(work / "models")
+        dcfg = json.loads((draft / "config.json").read_text())
+        assert (dcfg["block_size"], dcfg["dflash_config"]["mask_token_id"], dcfg["vocab_size"]) == \
+            (16, ZLAB_MASK_ID, QWEN3_VOCAB) and "num_target_layers" in dcfg
+        out = work / "run"
+        run = blockpilot("run", f"output_dir={out}", f"model.target={target}", f"model.draft={draft}", *SETTINGS,
+                         timeout=1800)
+        assert run.proc.returncode == 0, run.tail(80)
+        print("[real shapes] " + next(x for x in run.lines if x.startswith("[run] done in ")))
+
+        labels = out / "labels"
+        shard = sorted(labels.glob("part-*.parquet"))[0]
+        assert pq.read_schema(shard).field("logits").type.list_size == QWEN3_VOCAB
+        rows = sum(pq.read_metadata(p).num_rows for p in labels.glob("part-*.parquet"))
+        assert rows == 8 and json.loads((labels / "summary.json").read_text())["candidates"] == [14, 15, 16, 17, 18]
+        fp = json.loads((labels / "fingerprint.json").read_text())
+        assert (fp["dtype"], fp["device"]) == ("float32", "cpu"), fp
+        v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=300,
+                           cwd=REPO)
+        assert v.returncode == 0, v.stdout + v.stderr
+
+        mlp = [x for x in run.lines if x.startswith("[train] the MLP: ")]
+        assert mlp and re.search(r"the MLP: 315\.\dM parameters \(first layer 311\.2M\); each worker plans "
+                                 r"\d+\.\d\d GiB on the CPU", mlp[0]), mlp
+        print("[real shapes]", mlp[0])
+        assert (out / "train" / "policy" / "model.safetensors").exists()
+
+        summary = json.loads((out / "eval" / "summary.json").read_text())
+        assert summary["rows"] == 4 * len(summary["fixed_block_sizes"] + ["AR", "adaptive", "oracle"])
+        load = json.loads((out / "eval" / "load.json").read_text())
+        assert set(load["loads"]) == {"4"} and load["loads"]["4"]["methods"]["AR"]["throughput"] > 0
+
+        deploy = subprocess.run([BLOCKPILOT, "deploy", str(out)], capture_output=True, text=True, timeout=300,
+                                cwd=REPO)
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        assert "num_speculative_tokens" in deploy.stdout and str(draft) in deploy.stdout, deploy.stdout
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # ~5 GB of checkpoints and policy

@@ -1,0 +1,79 @@
+"""The memory plan at the stages (stages/memory_checks.py), without Ray: the label worker's preflight check against a
+budget, label.batch_size=auto labelling at the batch its plan fits, and evaluate's pass at load bounded by it."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import ONE_SOURCE
+from pipeline.executor.driver import run_stage
+from pipeline.executor.local import LocalExecutor
+from pipeline.executor.preflight import device_facts
+from pipeline.io.shards import decode_metadata
+from pipeline.runtime.config import load_config
+from stages.label import LabelStage
+from stages.memory_checks import GiB, label_check
+from stages.prepare import PrepareStage
+
+BASE = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
+        "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1", "profile.context_lengths=[16]",
+        "model.device=cpu", *ONE_SOURCE]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mem")
+    run_stage(PrepareStage(load_config([f"output_dir={out}", *BASE])), LocalExecutor())
+    return out
+
+
+def test_a_batch_over_the_budget_is_refused_naming_the_key_and_auto_fits_it(prompts):
+    stage = LabelStage(load_config([f"output_dir={prompts}", *BASE, "label.batch_size=64", "label.memory_gb=0.05"]))
+    facts = device_facts("cpu")
+    got = label_check(stage, facts, torch.float32)
+    assert got["key"] == "label.batch_size" and got["have"] == int(0.05 * GiB) and got["need"] > got["have"], got
+    assert "label.batch_size=64 plans" in got["detail"] and "set label.batch_size=auto (it would take" in got["detail"]
+    auto = LabelStage(load_config([f"output_dir={prompts}", *BASE, "label.batch_size=auto", "label.memory_gb=0.05"]))
+    fit = label_check(auto, facts, torch.float32)
+    assert fit["need"] <= fit["have"] and 1 <= fit["batch"] < 64, fit
+    bigger = LabelStage(load_config([f"output_dir={prompts}", *BASE, "label.batch_size=auto", "label.memory_gb=0.2"]))
+    assert label_check(bigger, facts, torch.float32)["batch"] > fit["batch"]  # more budget, a larger batch
+
+
+def test_label_batch_size_auto_labels_at_the_batch_the_plan_fits(prompts, tmp_path, one_thread):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(prompts / "prompts", out / "prompts")
+    cfg = load_config([f"output_dir={out}", *BASE, "label.batch_size=auto", "label.memory_gb=0.05"])
+    expected = label_check(LabelStage(cfg), device_facts("cpu"), torch.float32)["batch"]
+    summary = run_stage(LabelStage(cfg), LocalExecutor())
+    assert summary["rows"] == 8
+    shards = sorted((out / "labels").glob("part-*.parquet"))
+    meta = [decode_metadata(pq.read_schema(p).metadata) for p in shards]
+    assert {m["label_batch_size"] for m in meta} == {expected}, meta
+    # the batching counts reach the summary: every shard's batches, none failed
+    batching = json.loads((out / "labels" / "summary.json").read_text())["batching"]
+    assert batching["batches"] == sum(-(-4 // expected) for _ in shards) and batching["batches_failed"] == 0
+
+
+def test_a_batch_out_of_memory_is_retried_prompt_by_prompt_and_counted():
+    """ShardBatches with a labeller that runs out of memory above 2 prompts (as a GPU's allocator says it):
+    every prompt is labelled, and the counts say what the batching cost."""
+    from pipeline.labelling.batched import ShardBatches
+
+    def label(batch):
+        if len(batch) > 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [sum(p) for p in batch]
+
+    ids = [f"p{i}" for i in range(6)]
+    batches = ShardBatches(ids, [[i] * (i + 1) for i in range(6)], 4, label)
+    got = [batches({"prompt_id": i}) for i in ids]
+    assert got == [i * (i + 1) for i in range(6)]
+    assert batches.counts() == {"batches": 2, "batches_failed": 1, "batches_out_of_memory": 1,
+                                "prompts_retried_alone": 4}

@@ -76,7 +76,7 @@ def cluster():
             c.shutdown()
 
 
-def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cluster, tmp_path):
+def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cluster, tmp_path, fault_row):
     out = tmp_path / "run"
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")
     a = cluster.add_node("gpu-a", gpus=1, cpus=2)
@@ -115,6 +115,8 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
 
     prompts = sorted(i for p in list_shards(out / "prompts") for i in pq.read_table(p).column("prompt_id").to_pylist())
     rows = [r for p in list_shards(labels) for r in pq.read_table(p, columns=["prompt_id", "worker"]).to_pylist()]
+    fault_row("a GPU node whose every model load is killed; another joins mid-label (multi-node cluster)", "label",
+              prompts, [r["prompt_id"] for r in rows])
     assert sorted(r["prompt_id"] for r in rows) == prompts and len(prompts) == 16  # every prompt exactly once
     by_node = {w["identity"][:12] for w in manifest["workers"]}
     assert by_node == {a.node_id[:12], c.node_id[:12]}, manifest["workers"]

@@ -60,8 +60,11 @@ class Scripted(ShardStage):
     def plan(self):
         return Plan(tasks_from_shards(self.inputs))
 
+    workers = 2
+
     def resources(self):
-        return Resources(actors=True, num_workers=2, cpus_per_worker=0.5, max_retries=self.retries)
+        return Resources(actors=True, num_workers=self.workers, cpus_per_worker=0.5, max_retries=self.retries,
+                         workers_key="scripted.num_workers")
 
     def process_shard(self, input, rejects):
         name = Path(input).name
@@ -188,3 +191,21 @@ def test_no_worker_that_can_start_fails_the_stage_with_the_setup_error(inputs, t
     failed = [r.getMessage() for r in caplog.records if "could not set up" in r.getMessage()]
     assert len(failed) == 2 and all("OSError: hub unreachable: 503" in m for m in failed), failed
     assert all(m.endswith("no other node can take a worker") for m in failed), failed
+
+
+def test_workers_that_never_start_are_waited_for_then_refused_naming_the_key(inputs, tmp_path, ray_session, caplog):
+    # Three workers of one GPU each on a Ray with two (GPUs held elsewhere, pods not joined): the third stays
+    # pending; the preflight says so every progress_s and refuses after wait_s, before any shard, naming the key.
+    from stages.preflight import PreflightRefused
+
+    caplog.set_level("INFO", logger="blockpilot")
+    stage = Scripted(load_config(["progress=false"]), inputs, tmp_path / "out", tmp_path, retries=0)
+    stage.workers = 3
+    p = RayActorPool(stage.cfg.ray, wait_s=3.0)
+    p.progress_s = 1.0
+    with pytest.raises(PreflightRefused, match=r"scripted\.num_workers: not started within workers\.wait_s=3 s: "
+                                               r"it asks \{'GPU': 1\.0, 'CPU': 0\.5\}"):
+        run_stage(stage, p)
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for workers: 2/3 up")]
+    assert waiting, [r.getMessage() for r in caplog.records]
+    assert list_shards(tmp_path / "out") == [] and not any(tmp_path.glob("*.parquet"))

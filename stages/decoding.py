@@ -87,6 +87,11 @@ class DecodingStage(ShardStage):
                       default=0)
         return int(longest or self.cfg.prepare.max_prompt_tokens)
 
+    @property
+    def largest_block(self) -> int:
+        """The largest block size the stage decodes (its memory plan's verify and draft logits)."""
+        return max(self.candidates)
+
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
         from .memory_checks import engine_check
 

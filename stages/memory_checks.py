@@ -43,7 +43,7 @@ def label_plan(stage, dtype, device: str):
     target, draft = model_configs(stage.cfg)
     n, m = stage.longest_prompt, stage.cfg.decode.max_new_tokens
     if stage.mode != "replay":
-        return None, engine_plan(target, draft, dtype, 1, n, m, max(stage.candidates), device=device)
+        return None, engine_plan(target, draft, dtype, 1, n, m, stage.largest_block, device=device)
     return LabelMemory(target, draft, dtype, n, m, stage.candidates, stage.trace_block_size, device=device), None
 
 
@@ -78,7 +78,7 @@ def engine_check(stage, facts: Dict[str, Any], dtype, slots: int = 1, methods: i
     device = "cpu" if facts.get("device_name") == "cpu" else "cuda"
     target, draft = model_configs(stage.cfg)
     n, m = stage.longest_prompt, stage.cfg.decode.max_new_tokens
-    plan = engine_plan(target, draft, dtype, slots, n, m, max(stage.candidates), methods=methods, device=device)
+    plan = engine_plan(target, draft, dtype, slots, n, m, stage.largest_block, methods=methods, device=device)
     have = budget(stage.cfg, facts)
     return {"need": plan.peak, "have": have, "key": "decode.max_new_tokens",
             "detail": f"one engine plans {plan.peak / GiB:.1f} GiB for prompts up to {n} tokens + {m} new"

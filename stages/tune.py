@@ -58,6 +58,12 @@ class TuneStage(DecodingStage):
     def policy_info(self) -> Dict[str, Any]:
         return json.loads((self.policy_dir / POLICY_META).read_text())
 
+    @property
+    def largest_block(self) -> int:
+        """What tune decodes at most (its rules' b_max, a candidate): the cost profile times every b the run
+        decodes."""
+        return max(int(b) for b in self.profile.seconds)
+
     @cached_property
     def baseline(self) -> int:
         """The fixed b a user could deploy, as the train stage chose it on the label set's train split."""

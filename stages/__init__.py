@@ -35,13 +35,13 @@ STAGES = {
         StageInfo("prepare", "prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids "
                   "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
-                  "size and write label shards (output_dir/labels/)", ("model", "decode", "label", "profile", "workers",
-                                                                         "ray"),
+                  "size and write label shards (output_dir/labels/)", ("model", "decode", "prepare", "label", "profile",
+                                                                         "workers", "ray"),
                   "stages.label"),
         StageInfo("preflight", "check every worker the label stage expects before any work: devices (Ray's GPUs "
                   "against torch), the models (reachable, weights matching their class, the same bytes on every "
                   "node), output_dir (written and read from every node), the memory plan; one table, exit 1 naming "
-                  "the node and the key", ("model", "decode", "label", "profile", "workers", "ray"),
+                  "the node and the key", ("model", "decode", "prepare", "label", "profile", "workers", "ray"),
                   "stages.preflight"),
         StageInfo("profile", "the cost model alone: seconds per decode step (draft and verify apart) at every b in "
                   "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
@@ -52,7 +52,7 @@ STAGES = {
         StageInfo("tune", "choose the per-step verify rule (threshold, running acceptance, or learned from the "
                   "labels' traces): every rule simulated on the label set's held-out prompts by modelled time, the "
                   "best decoded to confirm (output_dir/tune/step_rule.json, verify_model.json)",
-                  ("model", "decode", "tune", "workers", "ray"), "stages.tune"),
+                  ("model", "decode", "prepare", "tune", "workers", "ray"), "stages.tune"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
                   "on held-out prompt sets (output_dir/eval/)",
                   ("model", "decode", "prepare", "evaluate", "workers", "ray"),

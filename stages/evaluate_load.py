@@ -70,7 +70,7 @@ def _measure_where_it_fits(cfg, stage, loads: List[int], info: Dict[str, Any]):
     place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
     task = ray.remote(_measure).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0)
     say = log("evaluate")
-    say.info(f"at load: one task of {place.ask()} (models on {place.device})")
+    say.info(f"at load: one task of {place.asks()} (models on {place.device})")
     ref, t0 = task.remote(cfg, stage, loads, info), time.monotonic()
     while not ray.wait([ref], timeout=60.0)[0]:
         say.info(f"at load: running for {time.monotonic() - t0:.0f} s")

@@ -42,10 +42,13 @@ class Placement:
         """What one actor asks Ray for, as Ray's resources name it."""
         return {k: v for k, v in (("GPU", self.num_gpus), ("CPU", self.num_cpus)) if v}
 
+    def asks(self) -> str:
+        """``ask()`` for a log line ("GPU 1 + CPU 0.5"): a closing block never prints a dict."""
+        return " + ".join(f"{k} {v:g}" for k, v in self.ask().items()) or "nothing"
+
     def describe(self) -> str:
-        ask = ", ".join(f"{k}: {v:g}" for k, v in self.ask().items())
         more = ", and one more for every GPU that joins" if self.elastic else ""
-        return f"{self.num_workers} actor(s) of {{{ask}}}{more}, models on {self.device}"
+        return f"{self.num_workers} actor(s) of {self.asks()}{more}, models on {self.device}"
 
 
 def plan_workers(res: Resources, cluster: Dict[str, float]) -> Placement:

@@ -137,8 +137,11 @@ def test_label_dataset_contract(run_dir):
     meta = decode_metadata(pq.read_schema(labels / "part-00000.parquet").metadata)
     from pipeline import ASSETS, __version__
 
-    def revision(name):  # a local model's revision: the sha256 of its config.json
-        return "sha256:" + hashlib.sha256((ASSETS / name / "config.json").read_bytes()).hexdigest()[:16]
+    def revision(name):  # a local model's revision: sha256 over its weight files and config.json, by name
+        h = hashlib.sha256()
+        for p in sorted([ASSETS / name / "config.json", ASSETS / name / "model.safetensors"]):
+            h.update(f"{p.name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
+        return "sha256:" + h.hexdigest()
 
     assert {k: meta[k] for k in ("schema_version", "target", "draft", "target_revision", "draft_revision",
                                  "trained_block_size", "candidates", "temperature", "max_new_tokens", "seed",

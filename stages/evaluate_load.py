@@ -113,7 +113,8 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
             if rule is not None:  # tune's rule at c, alone
                 choosers["per-step"] = fixed(rule[1], rule[0])
             choosers[ADAPTIVE] = _adaptive(policy.at_load(c), rule)
-            baselines = {"b*(c)": f"b={sched[c]}", "b*(1)": f"b={sched[1]}"}
+            # AR too, timed in every repeat: no speculation is a choice at every load (b*(c) may be 1 itself)
+            baselines = {"AR": "AR", "b*(c)": _method(sched[c]), "b*(1)": _method(sched[1])}
             # every method's engine at once when their slot caches fit the memory plan's budget, else fewer
             at_once = engines_at_once(cfg, models, prompts, c, len(choosers), max(stage.candidates))
             log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods ({at_once} at a "
@@ -128,6 +129,10 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
         if models.device.type == "cpu":
             torch.set_num_threads(threads)
     return summaries, rows, _where(models.device)
+
+
+def _method(b: int) -> str:
+    return "AR" if b == 1 else f"b={b}"
 
 
 def _where(device) -> Dict[str, Any]:

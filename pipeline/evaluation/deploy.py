@@ -68,6 +68,7 @@ class Deploy:
     policy_answers_fallback_only: bool  # a speed policy without a calibrated margin
     step_rule: Optional[Dict[str, Any]]  # tune/step_rule.json, or None without a tune stage
     schedule: Optional[Dict[int, int]] = None  # b*(c), the train-chosen b at each concurrency (policy.json)
+    context: Optional[Dict[int, Any]] = None  # c -> the train split's ContextTable (tau and best b by prompt length)
 
     @property
     def rule(self) -> Optional[str]:
@@ -87,12 +88,14 @@ def _model_path(name: str):
     return name, None
 
 
-def rechoose_block_size(run: RunLayout, info: Dict[str, Any], train_cfg, profile_path) -> int:
-    """The train-chosen b again, under another machine's cost profile: the same rule train applies (least mean
-    modelled time per token on the label set's train split, pipeline.training.problem), with that machine's
-    seconds per step."""
+def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile_path):
+    """(the train-chosen b, the schedule b*(c) or None) again, under another machine's cost profile (a serving
+    machine's `blockpilot profile`, or a vLLM sweep imported by pipeline.policy.vllm_sweep): the same rules train
+    applies (least mean modelled time per token on the label set's train split, pipeline.training.problem; b*(c) by
+    pipeline.policy.load_cost.schedule, no speculation among the options), with that machine's seconds per step."""
     from pipeline.io.shards import list_shards
     from pipeline.policy.cost import CostProfile
+    from pipeline.policy.load_cost import LoadCost, schedule
     from pipeline.training.data import read_splits
     from pipeline.training.problem import train_chosen_index
 
@@ -104,7 +107,10 @@ def rechoose_block_size(run: RunLayout, info: Dict[str, Any], train_cfg, profile
     profile = CostProfile.load(profile_path)
     calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
     splits = read_splits(shards, train_cfg.val_fraction, cands, calib)
-    return cands[train_chosen_index(splits.tau[splits.train], [profile.cost(b) for b in cands])]
+    tau = splits.tau[splits.train][:, :len(cands)]
+    b = cands[train_chosen_index(tau, [profile.cost(x) for x in cands])]
+    load = LoadCost.from_profile(profile)
+    return b, (schedule(tau, cands, load, load.concurrency) if len(load.concurrency) > 1 else None)
 
 
 def load_deploy(output_dir, cost_profile=None) -> Deploy:
@@ -119,13 +125,14 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     info = json.loads(meta.read_text())
     cfg = OmegaConf.create((run.train / CONFIG).read_text())
     train_b = train_chosen_block_size(info)
+    sched = None
     if cost_profile is None:
         b = train_b
         chosen_on = ("the label set's train split, by modelled time per token under the labelling machine's cost "
                      f"profile ({run.policy / COST_PROFILE})" if "cost_profile" in info else
                      "the label set's train split, by mean tau (no cost profile)")
     else:
-        b = rechoose_block_size(run, info, cfg.train, cost_profile)
+        b, sched = rechoose(run, info, cfg.train, cost_profile)
         chosen_on = (f"the label set's train split, by modelled time per token under the serving machine's cost "
                      f"profile ({cost_profile}); under the labelling machine's, train chose b={train_b}")
     draft, note = _model_path(str(cfg.model.draft))
@@ -138,7 +145,29 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
-        schedule={int(c): int(b) for c, b in info["schedule"].items()} if info.get("schedule") else None)
+        schedule=sched if cost_profile is not None else
+        {int(c): int(x) for c, x in info["schedule"].items()} if info.get("schedule") else None,
+        context=context_tables(run, cfg.train, info, cost_profile))
+
+
+def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], cost_profile=None) -> Optional[Dict[int, Any]]:
+    """{c: the label set's train split bucketed by prompt length} under the cost at each c of the schedule's grid
+    (the run's profile, or the serving machine's): does tau, and the best b, depend on the prompt's length? None
+    without label shards or a cost profile."""
+    from pipeline.evaluation.context_length import table_from_shards
+    from pipeline.io.shards import list_shards
+    from pipeline.policy.cost import CostProfile
+    from pipeline.io.storage import parquet_file
+    from pipeline.policy.load_cost import LoadCost, has_ar
+
+    path = location(cost_profile) if cost_profile else run.policy / COST_PROFILE
+    shards = list_shards(run.labels) if run.labels.is_dir() else []
+    if not shards or not path.is_file() or "prompt_tokens" not in parquet_file(shards[0]).schema_arrow.names:
+        return None
+    load = LoadCost.from_profile(CostProfile.load(path))
+    calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
+    return {c: table_from_shards(shards, [int(b) for b in info["candidates"]], lambda b, c=c: load.cost(b, c), "train",
+                                 train_cfg.val_fraction, calib, with_ar=has_ar(load)) for c in load.concurrency}
 
 
 # ---- the engines' settings ---------------------------------------------------------------------------------------
@@ -156,15 +185,27 @@ def vllm_speculative_config(d: Deploy, block_size: Optional[int] = None, adaptiv
 
 def vllm_schedule_config(d: Deploy) -> Optional[Dict[str, Any]]:
     """vLLM's --speculative-config by concurrency: ``num_speculative_tokens_per_batch_size`` from the schedule b*(c)
-    (K = b - 1 per range), ``num_speculative_tokens`` its largest K; None without a schedule."""
-    if not d.schedule:
-        return None
-    from pipeline.policy.load_cost import vllm_ranges
+    (K = b - 1 per range, K = 0 where not speculating wins), ``num_speculative_tokens`` its largest K; None without
+    a schedule, or where K = 0 at every load (vLLM refuses num_speculative_tokens 0: serve without speculation).
+    Checked against vLLM's own rules (:func:`pipeline.policy.load_cost.vllm_schedule_errors`) before it is printed."""
+    from pipeline.policy.load_cost import vllm_ranges, vllm_schedule_errors
 
+    if not d.schedule or max(d.schedule.values()) < 2:
+        return None
     ranges = vllm_ranges(d.schedule)
     spec = vllm_speculative_config(d, max(d.schedule.values()))
     spec["num_speculative_tokens_per_batch_size"] = ranges
+    errors = vllm_schedule_errors(ranges, spec["num_speculative_tokens"])
+    if errors:  # a bug here, never the user's: say it rather than print a setting vLLM refuses
+        raise ValueError(f"deploy built a schedule vLLM would refuse ({'; '.join(errors)}): {ranges}")
     return spec
+
+
+def crossover(schedule: Dict[int, int]) -> Optional[int]:
+    """The smallest grid c from which not speculating (b*(c) = 1) holds at every larger grid point; None if never."""
+    cs = sorted(schedule)
+    tail = [c for i, c in enumerate(cs) if all(schedule[x] == 1 for x in cs[i:])]
+    return tail[0] if tail else None
 
 
 def load_lines(d: Deploy) -> List[str]:
@@ -172,15 +213,55 @@ def load_lines(d: Deploy) -> List[str]:
     if not d.schedule:
         return ["No schedule by concurrency: the cost profile has no load grid (profile.concurrency, cost profile "
                 "version 3)."]
-    spec = shlex.quote(json.dumps(vllm_schedule_config(d)))
-    table = ", ".join(f"c={c}: b={b}" for c, b in sorted(d.schedule.items()))
-    return [f"Train-chosen b by concurrency (modelled time per token on the label set's train split under the "
-            f"profile's batched seconds per step): {table}.",
-            f"vLLM: `{_shell(['vllm', 'serve', d.target])} --speculative-config {spec}`: K = b - 1 draft tokens "
-            "while the number of running requests is in [start_bs, end_bs] (a grid point's b holds up to the next "
-            "point; the last range ends at 1024, raise it to your --max-num-seqs).",
-            "SGLang: no per-batch-size setting is documented for DFlash (AutoSpec chooses EAGLE's step count by batch "
-            "size itself); deploy the b of your typical concurrency with `--speculative-num-draft-tokens`."]
+    table = ", ".join(f"c={c}: {'no speculation' if b == 1 else f'b={b}'}" for c, b in sorted(d.schedule.items()))
+    lines = [f"Train-chosen b by concurrency, no speculation (b = 1) among the options (modelled time per token on "
+             f"the label set's train split under the profile's batched seconds per step): {table}."]
+    ar = sorted(c for c, b in d.schedule.items() if b == 1)
+    cross = crossover(d.schedule)
+    if ar:
+        lines.append(f"K = 0 at c in {ar}: there a verify of b tokens costs more per step than the tokens it accepts "
+                     "save, so plain decoding is modelled fastest" + (f"; from c = {cross} on no speculation wins at "
+                                                                      "every larger load of the grid" if cross else "")
+                     + ".")
+    spec = vllm_schedule_config(d)
+    remote = " --trust-remote-code" if d.trust_remote_code else ""
+    if spec is None:
+        lines.append(f"vLLM: `{_shell(['vllm', 'serve', d.target])}{remote}` without --speculative-config: no "
+                     "speculation at any load of the grid (vLLM's schedule needs num_speculative_tokens > 0).")
+    else:
+        lines.append(f"vLLM: `{_shell(['vllm', 'serve', d.target])}{remote} --speculative-config "
+                     f"{shlex.quote(json.dumps(spec))}`: K draft tokens while the number of running requests is in "
+                     "[start_bs, end_bs], K = 0 = no speculation (a grid point's K holds up to the next point; the last "
+                     "range ends at 1024, raise it to your --max-num-seqs). Checked by vLLM's own rules "
+                     "(vllm/v1/spec_decode/dynamic/utils.py).")
+    lines.append("SGLang: `--speculative-adaptive-config` takes EAGLE/EAGLE3 with topk 1 only, not DFLASH "
+                 "(python/sglang/srt/speculative/adaptive_spec_params.py), and no per-batch-size schedule is "
+                 "documented for DFlash; nearest: the b of your typical concurrency with "
+                 "`--speculative-num-draft-tokens`, or no speculative arguments where that b is 1.")
+    return lines
+
+
+def context_lines(d: Deploy) -> List[str]:
+    """The context-length table (c = 1), whether the best b varies with prompt length at each c, and where it does,
+    the 5-item schedule of vLLM's open PR #48944 (never a merged key)."""
+    from pipeline.evaluation.context_length import context_ranges, render_table
+
+    if not d.context:
+        return ["No context-length table: the run folder has no label shards or no cost profile."]
+    first = min(d.context)
+    lines = [f"Acceptance by prompt length (the label set's train split, modelled cost at c={first}):", "",
+             *render_table(d.context[first]), ""]
+    lines += [f"- c={c}: best b {'varies' if t.varies else 'does not vary'} with prompt length ({t.why})."
+              for c, t in sorted(d.context.items()) if c != first]
+    if any(t.varies for t in d.context.values()):
+        entries = context_ranges(d.context)
+        lines += ["", "Where it varies, the 5-item form `[bs_lo, bs_hi, ctx_lo, ctx_hi, K]` of vLLM's OPEN PR #48944 "
+                  "(not a merged key: a vLLM with that PR only; ctx is the request's context length, buckets here are "
+                  f"prompt lengths): `{json.dumps(entries)}`"]
+    else:
+        lines += ["", "Tau's dependence on prompt length does not change the best b beyond noise at any c: the 3-item "
+                  "schedule above is the whole answer."]
+    return lines
 
 
 def sglang_args(d: Deploy, block_size: Optional[int] = None) -> List[str]:
@@ -274,6 +355,7 @@ def render(d: Deploy, short: bool = False) -> str:
                f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
         return "\n".join(md)
     md += ["Under load (by concurrency):", ""] + [f"- {x}" for x in load_lines(d)] + [""]
+    md += ["By prompt length:", ""] + context_lines(d) + [""]
     md += ["Per-step verify rule:", ""] + [f"- {x}" for x in step] + [""]
     md += ["Per-request block size:", ""] + [f"- {x}" for x in req] + [""]
     md += ["Keys as each engine documents them (sources in pipeline/evaluation/deploy.py); "

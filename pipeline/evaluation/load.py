@@ -3,15 +3,16 @@ timed in wall clock, interleaved and repeated, beside the cost model's seconds f
 
 Per c of ``evaluate.concurrency`` (c > 1; c = 1 is evaluate's per-prompt pass), the methods are ``AR``, every
 candidate ``b=N``, and ``adaptive``: the policy at c (pipeline.policy.blocksize.BlockSizePolicy.at_load: its fallback
-the train-chosen b at c, the schedule b*(c)). The baselines of the headline are two fixed-b methods: ``b*(c)`` (the
-train-chosen b at that c) and ``b*(1)`` (the c = 1 choice, what a user deploys today at every load). A method whose
+the train-chosen b at c, the schedule b*(c)). The baselines of the headline are ``AR`` (no speculation, a choice at
+every load), ``b*(c)`` (the train-chosen b at c, which is AR itself where not speculating is modelled fastest) and
+``b*(1)`` (the c = 1 choice, what a user deploys today at every load). A method whose
 choice for every request equals another's is the same computation: it is not decoded again, its rows name the
 method it shares (``same_as``), and its gain over it is exactly 0.
 
 Wall clock: every repeat runs its decodes in **lockstep** (pipeline.decoding.batched.lockstep: one forward of each in
 turn, in an order shuffled per repeat, each run's clock stopped while another runs), so that the machine's drift,
 +-10 % within minutes on a shared 2-core machine, hits every method of a repeat alike; the first repeat runs every
-distinct decode, the later ones adaptive and its baselines only. The measured gain is the ratio of mean throughputs;
+distinct decode, the later ones adaptive and its baselines (AR among them) only. The measured gain is the ratio of mean throughputs;
 its interval is a t interval over the repeats' paired log ratios. Modelled: the ragged step model
 (pipeline.policy.load_cost.LoadCost.step_seconds) over each run's own steps, plus its measured prefill seconds.
 Ray-free.
@@ -32,8 +33,8 @@ LOAD_CARD = """
 ## `load.parquet` and `load.json`: the evaluation at load (each c > 1 of `evaluate.concurrency`)
 
 Every evaluation prompt served c at a time by the batched engine (continuous batching), one row per c x method x
-timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `b*(c)`, the
-train-chosen b at c, and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
+timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `AR`, `b*(c)`, the
+train-chosen b at c (AR where b*(c) = 1), and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
 the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
 says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device), and
 each c its `engines_at_once` (how many methods' engines ran in lockstep: all of them unless their slot caches exceed
@@ -43,7 +44,7 @@ the memory plan's budget, stages/memory_checks.py; then the methods run in group
 | --- | --- |
 | `concurrency` | c: requests decoding together |
 | `method` | `AR`, `b=N`, `adaptive` (the policy at c) |
-| `repeat` | the timed repeat (0-based; adaptive and its baselines run `evaluate.load_repeats` times, the rest once) |
+| `repeat` | the timed repeat (0-based; adaptive and its baselines, AR among them, run `evaluate.load_repeats` times, the rest once) |
 | `same_as` | the method whose decode this is, when both choose the same for every request (not decoded twice), else null |
 | `requests`, `new_tokens`, `steps` | prompts served, tokens generated in all, batched decode steps |
 | `block_sizes` | the distinct block sizes the method's requests ran at |

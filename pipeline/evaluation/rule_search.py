@@ -69,8 +69,10 @@ def read_traced(shards: Sequence, val_fraction: float, calibration_fraction: flo
 
 
 def fixed_seconds(row: TracedRow, b: int, profile) -> float:
-    i = row.candidates.index(b)
-    return row.steps[i] * profile.cost(b) + profile.first_step_seconds(b, row.prompt_tokens)
+    """A fixed b's modelled seconds on the row: its label decode's steps at cost(b); b = 1 (no speculation, the
+    schedule's choice at a load where it wins) is one step per new token."""
+    steps = row.trace.new_tokens if b == 1 and 1 not in row.candidates else row.steps[row.candidates.index(b)]
+    return steps * profile.cost(b) + profile.first_step_seconds(b, row.prompt_tokens)
 
 
 def learned_rule(model, profile, b_max: int, rows: Sequence[TracedRow], max_new_tokens: Optional[int] = None,
@@ -105,7 +107,7 @@ def search(rows: Dict[str, List[TracedRow]], rules: Sequence[str], profile, base
     if not val:
         raise ValueError("tune: the label set has no val-split row with a trace (train.val_fraction is 0, or the "
                          "labels were made without traces: label schema < v3, or T > 0)")
-    if baseline_b not in val[0].candidates:
+    if baseline_b != 1 and baseline_b not in val[0].candidates:
         raise ValueError(f"tune: the baseline b={baseline_b} is not a labelled candidate {val[0].candidates}")
     b_max = val[0].trace.block_size
     learned, model_info, calib = None, None, None

@@ -141,6 +141,16 @@ class BlockSizePolicy:
         self.info = dict(info or {})
         # One output per action: the candidates, then the rule actions (a speed policy with train.rules).
         self.actions = policy_actions(self.candidates, self.info.get("rule_actions"))
+        if self.answers_ar:  # at a load where b*(c) = 1: one more action, no speculation, that the head does not score
+            self.actions.append(Action(1))
+
+    @property
+    def answers_ar(self) -> bool:
+        """True for a policy at a load where not speculating is the train-chosen b (b*(c) = 1, :meth:`at_load`): it
+        answers b = 1 for every request. Its head has no output for b = 1 (it learnt the candidates' speeds relative
+        to the c = 1 fallback, not any row's absolute speed), so it cannot tell which prompts would still gain from
+        speculating there: every request decodes autoregressively, which is b*(c) itself."""
+        return self.fallback_block_size == 1 and 1 not in self.candidates
 
     @property
     def device(self) -> torch.device:
@@ -201,7 +211,7 @@ class BlockSizePolicy:
         """The policy at c streams decoding together (policy.json's ``load``, from a version-3 cost profile): the
         same model, each block size's score shifted by log(cost(b, 1) / cost(b, c)) (its speed target is log tau -
         log cost and at T = 0 tau does not depend on load, so the head at c is the head at 1 plus a constant per
-        action), the fallback the train-chosen b at c, the same margin (a log speed ratio, the predictions' noise is
+        action), the fallback the train-chosen b at c (b = 1 included: then :attr:`answers_ar`), the same margin (a log speed ratio, the predictions' noise is
         the c = 1 head's). Rule actions are left out: a rule's seconds at c are not one constant per action (tune's
         rule at c covers per-step verify there). Itself at c = 1 or without a load part."""
         load = (self.info.get("load") or {}).get(str(int(c)))
@@ -243,6 +253,8 @@ class BlockSizePolicy:
         best = scores.argmax(dim=-1)
         if self.fallback_block_size is None:
             return best.tolist()
+        if self.answers_ar:
+            return [len(self.actions) - 1] * scores.shape[0]
         f = self.candidates.index(self.fallback_block_size)
         if self.margin is None:
             return [f] * scores.shape[0]

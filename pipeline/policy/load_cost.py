@@ -184,19 +184,31 @@ class LoadCost:
 def schedule(tau_train: np.ndarray, candidates: Sequence[int], load: LoadCost,
              concurrency: Sequence[int]) -> Dict[int, int]:
     """b*(c): at each c the one fixed b with the least modelled time per token on the train rows (mean of cost(b, c)
-    / tau), as the train-chosen b is chosen at c = 1; ties to the smaller b."""
+    / tau), as the train-chosen b is chosen at c = 1; ties to the smaller b. b = 1, no speculation (tau 1 on every
+    row by definition), is always one of the options where the profile timed it: at high load a verify of b tokens
+    costs up to b times a plain step, and then not speculating is the fastest (issue #44: AR beat every b at c = 16
+    on the default run)."""
+    options, tau = list(candidates), np.asarray(tau_train, dtype=np.float64)
+    if 1 not in options and has_ar(load):
+        options, tau = [1, *options], np.hstack([np.ones((len(tau), 1)), tau])
     out = {}
     for c in concurrency:
-        costs = np.array([load.cost(b, c) for b in candidates])
-        out[int(c)] = int(candidates[int(np.argmin((costs[None, :] / tau_train).mean(axis=0)))])
+        costs = np.array([load.cost(b, c) for b in options])
+        out[int(c)] = int(options[int(np.argmin((costs[None, :] / tau).mean(axis=0)))])
     return out
+
+
+def has_ar(load: LoadCost) -> bool:
+    """Whether the profile timed b = 1 at every load (profiles measure 1..2B; an imported one may lack K = 0)."""
+    return 1 in load.profile.seconds and all(g.get("ar") is not None for c, g in load.grid.items() if c > 1)
 
 
 def vllm_ranges(sched: Dict[int, int], top: int = 1024) -> List[List[int]]:
     """vLLM's ``num_speculative_tokens_per_batch_size`` from b*(c): ``[start_bs, end_bs, K]`` entries (inclusive
-    concurrency ranges; K = b - 1 draft tokens), each grid point's b holding from it up to the next point - 1 and
-    the last one up to ``top``; neighbouring points with the same K merge. The form of vLLM's
-    docs/features/speculative_decoding/dynamic_speculative_decoding.md."""
+    concurrency ranges; K = b - 1 draft tokens, K = 0 where b*(c) = 1: no speculation), each grid point's b holding
+    from it up to the next point - 1 and the last one up to ``top``; neighbouring points with the same K merge. The
+    form of vLLM's docs/features/speculative_decoding/dynamic_speculative_decoding.md; the rules it must pass are
+    :func:`vllm_schedule_errors`'."""
     cs = sorted(int(c) for c in sched)
     out: List[List[int]] = []
     for i, c in enumerate(cs):
@@ -207,6 +219,45 @@ def vllm_ranges(sched: Dict[int, int], top: int = 1024) -> List[List[int]]:
         else:
             out.append([1 if i == 0 else c, hi, k])
     return out
+
+
+def vllm_schedule_errors(ranges: Any, num_speculative_tokens: Any) -> List[str]:
+    """What vLLM would refuse in a 3-item ``num_speculative_tokens_per_batch_size``, restated from its own checks
+    (vllm-project/vllm ``vllm/v1/spec_decode/dynamic/utils.py`` at a6f6bb1d: validate_and_normalize_dynamic_sd_schedule
+    and build_dynamic_sd_schedule_lookup): a non-empty list of 3-item entries; positive ranges, start <= end; K >= 0;
+    sorted by start and non-overlapping; the first range starting at 1; ``num_speculative_tokens`` > 0 (the lookup
+    refuses 0, so a schedule of K = 0 everywhere is no speculative config at all). vLLM clips a K above
+    ``num_speculative_tokens`` silently (min(K, num_speculative_tokens)): ours refuses it, since the clip would
+    deploy another K than the one chosen. [] when valid."""
+    if not isinstance(ranges, list) or not ranges:
+        return ["the schedule must be a non-empty list"]
+    errors = []
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens <= 0:
+        errors.append(f"num_speculative_tokens must be > 0 (got {num_speculative_tokens!r})")
+    parsed = []
+    for e in ranges:
+        if not isinstance(e, (list, tuple)) or len(e) != 3:
+            errors.append(f"entry {e!r} is not a 3-item (range_start, range_end, K)")
+            continue
+        lo, hi, k = (int(x) for x in e)
+        if lo <= 0 or hi <= 0:
+            errors.append(f"range ({lo}, {hi}) must be positive")
+        if lo > hi:
+            errors.append(f"range start {lo} > end {hi}")
+        if k < 0:
+            errors.append(f"K {k} < 0")
+        if isinstance(num_speculative_tokens, int) and k > num_speculative_tokens:
+            errors.append(f"K {k} > num_speculative_tokens {num_speculative_tokens} (vLLM would clip it)")
+        parsed.append((lo, hi, k))
+    parsed.sort()
+    end = 0
+    for lo, hi, _ in parsed:
+        if lo <= end:
+            errors.append("ranges must be sorted and non-overlapping")
+        end = hi
+    if parsed and parsed[0][0] != 1:
+        errors.append("the first range must start at 1")
+    return errors
 
 
 def pool_load(loads: Sequence[Dict[str, Any]], contexts: Sequence[int]) -> Dict[str, Any]:

@@ -250,7 +250,7 @@ class EvaluateConfig:
     # Concurrencies to evaluate at, each in profile.concurrency: 1 is the per-prompt pass above; each c > 1 serves
     # every evaluation prompt c at a time on the batched engine (stages/evaluate_load.py), in wall clock.
     concurrency: List[int] = field(default_factory=lambda: [1, 16])
-    # Timed repeats at c > 1 of adaptive and its two baselines (b*(c), b*(1)), interleaved; other methods run once.
+    # Timed repeats at c > 1 of adaptive and its baselines (AR, b*(c), b*(1)), interleaved; other methods run once.
     load_repeats: int = 5
     # At T > 0: sampled decodes per prompt x method (seeds: pipeline.runtime.seeds.draw_seed), pooled in one
     # result row, so that a prompt's speed is measured over draws and every token is checked by distribution;

@@ -20,7 +20,7 @@ from pipeline import ASSETS
 from pipeline.evaluation import deploy
 from pipeline.io.layout import COST_PROFILE, RunLayout
 from pipeline.io.shards import encode_metadata, shard_name, write_json_atomic, write_parquet_atomic
-from pipeline.policy.blocksize import BlockSizeMLP, split_of
+from pipeline.policy.blocksize import BlockSizeMLP, BlockSizePolicy, split_of
 from pipeline.policy.cost import CostProfile
 from pipeline.runtime.config import load_config, write_resolved
 from pipeline.training.data import LABEL_COLUMN
@@ -58,7 +58,8 @@ def _run_folder(root, rule="threshold:0.05", objective="speed", profile=None):
     meta = encode_metadata({"candidates": CANDS, "vocab_size": V, "trained_block_size": 8})
     for i, rows in enumerate(np.array_split(np.arange(80), 2)):
         tau = np.array([2.0, 3.0, 3.5]) + rng.uniform(-0.2, 0.2, (len(rows), 3))
-        table = pa.table({"prompt_id": [f"p{r}" for r in rows], "logits": rng.normal(0, 1, (len(rows), V)).tolist(),
+        table = pa.table({"prompt_id": [f"p{r}" for r in rows], "prompt_tokens": pa.array(rows * 7 + 10, pa.int32()),
+                          "logits": rng.normal(0, 1, (len(rows), V)).tolist(),
                           "tau": tau.tolist(), LABEL_COLUMN: [CANDS[j] for j in tau.argmax(axis=1)]})
         write_parquet_atomic(table.replace_schema_metadata(meta), run.labels / shard_name(i))
     (profile or CostProfile(dict(LABELLING))).save(run.labels / COST_PROFILE)
@@ -200,7 +201,37 @@ def test_deploy_prints_vllms_batch_size_schedule_in_its_documented_form(tmp_path
     line = next(x for x in text.splitlines() if "num_speculative_tokens_per_batch_size" in x)
     printed = line.split("--speculative-config ", 1)[1].split("`", 1)[0]
     assert json.loads(shlex.split(printed)[0]) == spec
-    assert "SGLang: no per-batch-size setting" in text
+    assert "SGLang: `--speculative-adaptive-config` takes EAGLE/EAGLE3 with topk 1 only, not DFLASH" in text
+
+
+def test_where_not_speculating_is_fastest_the_schedule_says_k0(tmp_path):
+    """b = 1 (tau 1 on every row) is one of the schedule's options wherever the profile timed it: at c = 16 a step
+    of b = 1 costs 2 s against 10 s at every b >= 2 (tau <= ~3.7), so no b pays there; at c = 4 b = 1 costs 3 s
+    against 5 s for b = 8 at tau ~3, so b = 8 does. The schedule, the ranges and the words follow."""
+    torch.manual_seed(0)
+    profile = CostProfile({1: 0.6, **LABELLING}, meta={"concurrency": [1, 4, 16],
+                                                       "load": {**LOAD, "4": {**LOAD["4"], "seconds": {
+                                                           **LOAD["4"]["seconds"], "1": 3.0}}}}, version=3)
+    run = _run_folder(tmp_path / "run", profile=profile)
+    d = deploy.load_deploy(run.root)
+    costs_16 = {1: 2.0, 6: 10.0, 8: 10.0, 10: 10.0}
+    t = pa.concat_tables([pq.read_table(p) for p in sorted(run.labels.glob("part-*.parquet"))])
+    train = [split_of(i, 0.25, 0.2) == "train" for i in t.column("prompt_id").to_pylist()]
+    tau = np.array(t.column("tau").to_pylist())[train]
+    assert 2.0 < min((costs_16[b] / tau[:, j]).mean() for j, b in enumerate(CANDS))  # AR's 2.0 / 1 beats each b
+    assert d.schedule == {1: 6, 4: 8, 16: 1}
+    spec = deploy.vllm_schedule_config(d)
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 5], [4, 15, 7], [16, 1024, 0]]
+    assert spec["num_speculative_tokens"] == 7
+    text = deploy.render(d)
+    assert "c=16: no speculation" in text and "K = 0 at c in [16]" in text and "from c = 16 on" in text
+    policy = BlockSizePolicy.from_pretrained(run.policy)
+    at16 = policy.at_load(16)
+    assert at16.answers_ar and at16.choose_batch(np.zeros((3, V), np.float32)) == [1, 1, 1]
+    assert not policy.at_load(4).answers_ar
+    # the context-length table weighs the same options on the same rows: its overall best b is the schedule's
+    assert {c: t.overall_b for c, t in d.context.items()} == d.schedule
+    assert "By prompt length:" in text and "| prompt tokens | rows | tau b=1 |" in text
 
 
 def test_a_schedule_that_keeps_one_b_merges_its_ranges():

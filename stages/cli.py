@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("dir", metavar="OUTPUT_DIR", help="the run folder (e.g. runs/default): reads train/policy/ and "
                    "tune/step_rule.json")
     d.add_argument("--cost-profile", metavar="PATH", help="the serving machine's cost_profile.json (`blockpilot "
-                   "profile` run there): choose the fixed b for that machine instead of the labelling one")
+                   "profile` run there), or the output folder of a `vllm bench sweep serve` run (the server's own "
+                   "step costs at each K and concurrency): choose the fixed b and the schedule by concurrency for it "
+                   "instead of the labelling machine")
     from stages.submit import SUBMIT_DESCRIPTION, add_arguments
 
     s = sub.add_parser("submit", help="run a stage on a Ray cluster as a Ray job (uploads the checkout's tracked "
@@ -127,14 +129,16 @@ DEPLOY_DESCRIPTION = """\
 Print what to set in a serving engine for a finished run, from its trained artefacts (train/policy/policy.json and
 cost_profile.json, tune/step_rule.json, the train stage's config.yaml):
   - the fixed b to deploy where an engine takes one block size: the train-chosen b (the policy's fallback), or with
-    --cost-profile the same choice under the serving machine's seconds per step;
+    --cost-profile the same choice under the serving machine's seconds per step (its cost_profile.json, or a
+    `vllm bench sweep serve` folder: the server's own costs), the schedule by concurrency with it;
   - the exact vLLM (--speculative-config) and SGLang (--speculative-*) settings for it, with the draft's path;
   - the nearest per-step setting each engine offers, and how the run's chosen rule relates to it;
   - what the per-request policy needs from an engine, and where engines stand on it.
 The report (blockpilot report) holds a short form of the same. Exit 1 when the run has no trained policy.
 Example:
   blockpilot deploy runs/default
-  blockpilot deploy /shared/runs/q8 --cost-profile h100/cost_profile.json"""
+  blockpilot deploy /shared/runs/q8 --cost-profile h100/cost_profile.json
+  blockpilot deploy /shared/runs/q8 --cost-profile sweeps/q8-dflash/   # a `vllm bench sweep serve` folder"""
 
 
 def deploy_command(output_dir: str, cost_profile: Optional[str]) -> int:

@@ -88,13 +88,30 @@ def _model_path(name: str):
     return name, None
 
 
-def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile_path):
+def serving_profile(path):
+    """The serving machine's CostProfile from ``--cost-profile``: a cost_profile.json (``blockpilot profile`` run
+    there), or the folder of a ``vllm bench sweep serve`` run (pipeline.policy.vllm_sweep: the server's own step
+    seconds at each (K, c) it ran; its ``source`` says so)."""
+    from pipeline.policy.cost import CostProfile
+
+    where = location(path)
+    if not where.is_dir():
+        return CostProfile.load(where)
+    from pipeline.policy.vllm_sweep import read_sweep, sweep_profile
+
+    got = read_sweep(where)
+    if not got.points:
+        raise ValueError(f"--cost-profile {path}: a folder, but no `vllm bench sweep serve` run in it "
+                         f"({len(got.rejects)} rejected: {'; '.join(r['reason'] for r in got.rejects[:3])})")
+    return CostProfile.from_dict(sweep_profile(got.points, str(path), got.rejects))
+
+
+def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile):
     """(the train-chosen b, the schedule b*(c) or None) again, under another machine's cost profile (a serving
     machine's `blockpilot profile`, or a vLLM sweep imported by pipeline.policy.vllm_sweep): the same rules train
     applies (least mean modelled time per token on the label set's train split, pipeline.training.problem; b*(c) by
     pipeline.policy.load_cost.schedule, no speculation among the options), with that machine's seconds per step."""
     from pipeline.io.shards import list_shards
-    from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost, schedule
     from pipeline.training.data import read_splits
     from pipeline.training.problem import train_chosen_index
@@ -104,7 +121,6 @@ def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile_path):
         raise FileNotFoundError(f"{run.labels} holds no label shards: choosing b under another cost profile needs "
                                 "the label set's tau")
     cands = [int(b) for b in info["candidates"]]
-    profile = CostProfile.load(profile_path)
     calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
     splits = read_splits(shards, train_cfg.val_fraction, cands, calib)
     tau = splits.tau[splits.train][:, :len(cands)]
@@ -132,9 +148,11 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
                      f"profile ({run.policy / COST_PROFILE})" if "cost_profile" in info else
                      "the label set's train split, by mean tau (no cost profile)")
     else:
-        b, sched = rechoose(run, info, cfg.train, cost_profile)
+        serving = serving_profile(cost_profile)
+        b, sched = rechoose(run, info, cfg.train, serving)
         chosen_on = (f"the label set's train split, by modelled time per token under the serving machine's cost "
-                     f"profile ({cost_profile}); under the labelling machine's, train chose b={train_b}")
+                     f"profile ({cost_profile}{', imported from a vLLM sweep' if serving.meta.get('source') else ''})"
+                     f"; under the labelling machine's, train chose b={train_b}")
     draft, note = _model_path(str(cfg.model.draft))
     target, _ = _model_path(str(cfg.model.target))
     rule_path = run.step_rule
@@ -147,10 +165,10 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
         schedule=sched if cost_profile is not None else
         {int(c): int(x) for c, x in info["schedule"].items()} if info.get("schedule") else None,
-        context=context_tables(run, cfg.train, info, cost_profile))
+        context=context_tables(run, cfg.train, info, None if cost_profile is None else serving))
 
 
-def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], cost_profile=None) -> Optional[Dict[int, Any]]:
+def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None) -> Optional[Dict[int, Any]]:
     """{c: the label set's train split bucketed by prompt length} under the cost at each c of the schedule's grid
     (the run's profile, or the serving machine's): does tau, and the best b, depend on the prompt's length? None
     without label shards or a cost profile."""
@@ -160,11 +178,12 @@ def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], cost_profile
     from pipeline.io.storage import parquet_file
     from pipeline.policy.load_cost import LoadCost, has_ar
 
-    path = location(cost_profile) if cost_profile else run.policy / COST_PROFILE
+    path = run.policy / COST_PROFILE
     shards = list_shards(run.labels) if run.labels.is_dir() else []
-    if not shards or not path.is_file() or "prompt_tokens" not in parquet_file(shards[0]).schema_arrow.names:
+    if not shards or (serving is None and not path.is_file()) or \
+            "prompt_tokens" not in parquet_file(shards[0]).schema_arrow.names:
         return None
-    load = LoadCost.from_profile(CostProfile.load(path))
+    load = LoadCost.from_profile(serving or CostProfile.load(path))
     calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
     return {c: table_from_shards(shards, [int(b) for b in info["candidates"]], lambda b, c=c: load.cost(b, c), "train",
                                  train_cfg.val_fraction, calib, with_ar=has_ar(load)) for c in load.concurrency}

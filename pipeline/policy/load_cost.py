@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from pipeline.policy.cost import FORMAT_DOC, CostProfile, _affine, fit_affine
+from pipeline.policy.vllm_sweep import SWEEP_DOC
 
 LOAD_DOC = """| `load_skipped` | version 3, instead of `load`: why the pair has no load grid (the batched engine refuses it) |
 | `load_seconds` | version 3: seconds spent timing the load grid (part of `wall_seconds`) |
@@ -31,8 +32,8 @@ LOAD_DOC = """| `load_skipped` | version 3, instead of `load`: why the pair has 
 | `load` | version 3: `{c: {seconds, measured, fit, raw}}` for each c > 1, timed on the batched engine with c streams at one b (steady steps, the first of each stream left out): `seconds` `{b: seconds per batched step}` of the model (fit for b >= 2, measured at b = 1), `measured` `{b: {draft, verify, total}}` medians over rounds, mean over contexts, `fit` `{draft, verify: {intercept, slope, per_key, per_key_b, ref_width}, ar: {intercept, per_key, ref_width}}`: seconds = intercept + slope b + (per_key + per_key_b b)(W - ref_width) at W keys per row (profiles before the width axis: `{intercept, slope}` alone), `raw` `{b, context, round, steps, width, draft_seconds, verify_seconds}` per timed run (`width`: the mean keys per row of its steps) |
 """
 
-# The whole format, both versions' keys (the label card and `blockpilot profile --help` print it).
-PROFILE_DOC = FORMAT_DOC.replace("{LOAD}", LOAD_DOC.rstrip("\n"))
+# The whole format, both versions' keys, and what an imported vLLM sweep adds (the label card prints it).
+PROFILE_DOC = FORMAT_DOC.replace("{LOAD}", LOAD_DOC.rstrip("\n")) + "\n" + SWEEP_DOC
 
 
 def fit_load(raw: List[Dict[str, Any]], block_sizes: Sequence[int], contexts: Sequence[int]) -> Dict[str, Any]:

@@ -69,8 +69,11 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
     t0 = time.monotonic()
     next_line = t0 + pool.progress_s
     while refs and time.monotonic() - t0 < pool.wait_s:
-        left = pool.wait_s - (time.monotonic() - t0)
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=max(0.1, min(pool.poll_s * 5, left)))
+        # Wake at each answer and when a progress line is due: waiting for all of them at once kept the line from
+        # being said while the first workers were still starting on a loaded machine.
+        now = time.monotonic()
+        ready, _ = ray.wait(list(refs), num_returns=1,
+                            timeout=max(0.05, min(t0 + pool.wait_s - now, next_line - now)))
         for ref in ready:
             i = refs.pop(ref)
             try:

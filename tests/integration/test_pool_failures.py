@@ -201,11 +201,13 @@ def test_workers_that_never_start_are_waited_for_then_refused_naming_the_key(inp
     caplog.set_level("INFO", logger="blockpilot")
     stage = Scripted(load_config(["progress=false"]), inputs, tmp_path / "out", tmp_path, retries=0)
     stage.workers = 3
-    p = RayActorPool(stage.cfg.ray, wait_s=3.0)
+    # How many of the two that fit are up by a given second depends on the machine's load: the lines may count 0,
+    # 1 or 2 of 3, never 3, and the refusal names whichever worker Ray left pending.
+    p = RayActorPool(stage.cfg.ray, wait_s=6.0)
     p.progress_s = 1.0
-    with pytest.raises(PreflightRefused, match=r"scripted\.num_workers: not started within workers\.wait_s=3 s: "
-                                               r"it asks \{'GPU': 1\.0, 'CPU': 0\.5\}"):
+    with pytest.raises(PreflightRefused, match=r"worker \d.*scripted\.num_workers: not started within "
+                                               r"workers\.wait_s=6 s: it asks \{'GPU': 1\.0, 'CPU': 0\.5\}"):
         run_stage(stage, p)
-    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for workers: 2/3 up")]
-    assert waiting, [r.getMessage() for r in caplog.records]
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for workers: ")]
+    assert waiting and all(re.match(r"waiting for workers: [012]/3 up after \d+ s ", m) for m in waiting), waiting
     assert list_shards(tmp_path / "out") == [] and not any(tmp_path.glob("*.parquet"))

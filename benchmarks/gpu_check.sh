@@ -6,6 +6,8 @@
 #   3. label -> train -> evaluate -> report of the embedded default on the device (bf16 `auto`, synchronised
 #      timers, one actor per real GPU);
 #   4. the labelling throughput benchmark on the device;
+#   5. which SDPA kernels take each attention call; Qwen3-8B-shaped step costs, eager and compiled, as achieved GB/s
+#      against the HBM bound;
 # then one summary block.
 #
 #   bash benchmarks/gpu_check.sh                 # on a GPU machine (cuda)
@@ -31,13 +33,16 @@ rm -f "$OUT"/*.json "$OUT"/status.txt
 
 # CPU: fewer prompts, shorter generations; GPU: sized to finish in about 8 minutes.
 if [ "$DEVICE" = cpu ]; then
-  REPLAY_ARGS="--prompts 8 --max-new-tokens 32"
-  RUN_ARGS="prepare.limit=16 prepare.shard_size=8 evaluate.limit=4 decode.max_new_tokens=32 train.epochs=3 train.hidden=64 workers.cpus_per_worker=0.5"
-  BENCH_ARGS="--prompts 4 --max-new-tokens 32"
+  # (sized for CI, tests/integration/test_gpu_check_cpu.py: every step runs, the figures mean nothing)
+  REPLAY_ARGS="--prompts 2 --max-new-tokens 16"
+  RUN_ARGS="prepare.limit=6 prepare.shard_size=8 evaluate.limit=2 decode.max_new_tokens=16 train.epochs=2 train.hidden=64 workers.cpus_per_worker=0.5 label.num_workers=1 tune.num_workers=1 evaluate.num_workers=1 profile.max_repeats=1 profile.min_repeats=1 profile.steps=4"
+  BENCH_ARGS="--prompts 2 --max-new-tokens 16"
+  COST_ARGS="--smoke --prompt-tokens 16 --batches 4 --steps 4"
 else
   REPLAY_ARGS="--prompts 32 --max-new-tokens 128"
   RUN_ARGS="prepare.limit=128 prepare.shard_size=32 evaluate.limit=16 train.epochs=20"
   BENCH_ARGS="--prompts 24 --max-new-tokens 128"
+  COST_ARGS=""
 fi
 
 step() {  # step NAME TIMEOUT_S COMMAND...: runs it, logs it, records ok/FAILED with its wall time
@@ -58,6 +63,11 @@ rm -rf "$OUT/run"
 step pipeline 300 "$PY" -m stages.cli run output_dir="$OUT/run" model.device="$DEVICE" ray.address=local \
   progress=false $RUN_ARGS
 step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BENCH_ARGS
+step sdpa-kernels 60 "$PY" benchmarks/sdpa_kernels.py --device "$DEVICE"
+# 5. Qwen3-8B shapes (random weights, bf16): batch-1 and batch-64 steps, eager and engine.compile=on, as GB/s against
+#    the H200's 4.8 TB/s (on CPU: --smoke, tiny widths, the figures mean nothing).
+step costs-8b 240 "$PY" benchmarks/gpu_label_costs.py --compile --batches 64 --candidates 8,16 --steps 16 \
+  --hbm-gbs 4800 --out "$OUT/costs-8b.json" $COST_ARGS
 
 echo
 echo "================ gpu_check summary (device $DEVICE) ================"
@@ -80,14 +90,27 @@ for p in sorted(out.glob("replay-*.json")):
 summary = out / "run" / "report" / "summary.json"
 if summary.exists():
     h = json.loads(summary.read_text()).get("headline", {})
-    if h:
-        print(f"pipeline: adaptive {h['adaptive_tau']:.2f} / {h['adaptive_speedup']:.2f}x; best fixed "
-              f"{h['best_fixed']} {h['best_fixed_tau']:.2f} / {h['best_fixed_speedup']:.2f}x; oracle "
-              f"{h['oracle_tau']:.2f} / {h['oracle_speedup']:.2f}x")
+    for kind in ("modelled", "wall"):
+        x = h.get(kind) or {}
+        if x:
+            print(f"pipeline ({kind}): adaptive {x['adaptive']:.2f}x, train-chosen b={x['baseline_b']} "
+                  f"{x['baseline']:.2f}x, oracle {x['oracle']:.2f}x over autoregressive")
 labels = out / "run" / "labels" / "manifest.json"
 if labels.exists():
     workers = json.loads(labels.read_text()).get("workers", [])
     print(f"label workers: {[(w.get('identity'), w.get('device')) for w in workers]}")
+kernels = out / "sdpa-kernels.log"
+if kernels.exists():
+    print("\n".join(l for l in kernels.read_text().splitlines() if "enable_gqa:" in l))
+costs = out / "costs-8b.json"
+if costs.exists():
+    r = json.loads(costs.read_text())
+    c = r.get("compiled", {})
+    for b, e in r["step_s"].items():
+        print(f"8B shapes batch-1 step b={b}: eager {e * 1e3:.2f} ms, compiled {c.get('step_s', {}).get(b, 0) * 1e3:.2f} ms")
+    for P, m in r["batched"].items():
+        print(f"8B shapes batch-{P} decode step: eager {m['decode_step_s'] * 1e3:.2f} ms, compiled "
+              f"{c.get('decode_step_s', {}).get(P, 0) * 1e3:.2f} ms (compile {c.get('compile_s', 0):.0f} s)")
 bench = out / "throughput.log"
 if bench.exists():
     lines = [l for l in bench.read_text().splitlines() if l.startswith("ratio ")]

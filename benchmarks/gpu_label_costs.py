@@ -85,6 +85,61 @@ def timed(fn, clock, repeats=3):
     return statistics.median(out)
 
 
+def batched_greedy(target, draft, P: int, n: int, steps: int, gen, clock):
+    """greedy_continuations of P random n-token prompts, ``steps`` tokens each, timed (median of 2 after a warm-up):
+    (prompts, its output, total seconds, seconds per decode step after the prefill)."""
+    prompts = torch.randint(0, QWEN3_8B["vocab_size"], (P, n), generator=gen).tolist()
+    box = {}
+
+    def generate():
+        box["out"] = greedy_continuations(target, prompts, steps, None, layer_ids=draft.target_layer_ids, clock=clock)
+    total = timed(generate, clock, repeats=2)
+    return prompts, box["out"], total, (total - box["out"][3]) / max(1, steps - 1)
+
+
+def step_bytes(target, draft, P: int, context: int) -> float:
+    """Bytes a decode step must read at least: every weight once (the draft's lm_head is the target's), and at batch
+    P the target's KV cache of P rows at ``context`` positions."""
+    weights = sum(p.numel() * p.element_size() for p in list(target.parameters()) + list(draft.parameters()))
+    c = target.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * context * P * next(target.parameters()).element_size()
+    return float(weights + (kv if P > 1 else 0))
+
+
+def measure_compiled(args, res, target, draft, engine, state, cands, batches, n, steps, gen, device):
+    """The batch-1 step at every candidate b and the batch-P greedy decode step again with engine.compile=on
+    (pipeline/decoding/compiled.py), beside the eager figures above, as achieved GB/s against --hbm-gbs."""
+    from types import SimpleNamespace
+
+    from pipeline.decoding.compiled import apply_compile
+
+    clock = engine.now
+    t0 = clock()
+    apply_compile(SimpleNamespace(target=target, draft=draft), "on")
+    engine.decode(state, block_size=cands[0], max_new_tokens=steps)  # compiles
+    out = {"compile_s": clock() - t0, "step_s": {}, "decode_step_s": {}}
+    print(f"\ncompiled (engine.compile=on): first compile {out['compile_s']:.1f} s", flush=True)
+    hbm = args.hbm_gbs
+    for b in cands:
+        r = engine.decode(state, block_size=b, max_new_tokens=steps)
+        per = timed(lambda b=b: engine.decode(state, block_size=b, max_new_tokens=steps), clock) / max(1, r.steps)
+        out["step_s"][b] = per
+        gbs = step_bytes(target, draft, 1, n) / per / 1e9
+        eager = res["step_s"][b]
+        print(f"  batch-1 step at b={b}: eager {eager * 1e3:.2f} ms ({step_bytes(target, draft, 1, n) / eager / 1e9:.0f}"
+              f" GB/s), compiled {per * 1e3:.2f} ms ({gbs:.0f} GB/s{f', {gbs / hbm:.0%} of {hbm:.0f}' if hbm else ''})",
+              flush=True)
+    for P in batches:
+        _, _, _, step = batched_greedy(target, draft, P, n, steps, gen, clock)
+        out["decode_step_s"][P] = step
+        eager = res["batched"][P]["decode_step_s"]
+        need = step_bytes(target, draft, P, n + steps)
+        print(f"  batch-{P} greedy decode step: eager {eager * 1e3:.2f} ms ({need / eager / 1e9:.0f} GB/s), compiled "
+              f"{step * 1e3:.2f} ms ({need / step / 1e9:.0f} GB/s{f', {need / step / 1e9 / hbm:.0%} of {hbm:.0f}' if hbm else ''})",
+              flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
@@ -94,6 +149,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length assumed for the estimate")
     ap.add_argument("--new-tokens", type=int, default=2048, help="generation length assumed for the estimate")
     ap.add_argument("--out", default=None, help="JSON file for every measured figure")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the batch-1 and batched steps with engine.compile=on, as GB/s achieved")
+    ap.add_argument("--hbm-gbs", type=float, default=None,
+                    help="the device's HBM bandwidth in GB/s (H200: 4800) for the fraction of the bound")
     ap.add_argument("--smoke", action="store_true",
                     help="a check of this script on CPU: 2-layer models of width 256 (the figures mean nothing)")
     args = ap.parse_args(argv)
@@ -136,15 +195,8 @@ def main(argv=None) -> int:
 
     res["batched"] = {}
     for P in batches:
-        prompts = torch.randint(0, QWEN3_8B["vocab_size"], (P, n), generator=gen).tolist()
-        box = {}
-
-        def generate():
-            box["out"] = greedy_continuations(target, prompts, steps, None, layer_ids=draft.target_layer_ids,
-                                              clock=clock)
-        total = timed(generate, clock, repeats=2)
-        news, context, _, prefill = box["out"]
-        decode_step = (total - prefill) / max(1, steps - 1)
+        prompts, (news, context, _, prefill), total, decode_step = batched_greedy(target, draft, P, n, steps, gen,
+                                                                                  clock)
         gs = [p + c for p, c in zip(prompts, news)]
         runner = DraftRunner(draft, target, gs, context)
         s = n + steps // 2
@@ -159,9 +211,13 @@ def main(argv=None) -> int:
         print(f"  batch {P}: prefill {prefill:.3f} s, decode step {decode_step * 1e3:.2f} ms, draft forward over "
               f"{P * sum(cands)} rows {propose * 1e3:.1f} ms, lm_head read {read / rows.shape[0] * 1e6:.1f} us/row, "
               f"peak {res['batched'][P]['peak_gib']:.1f} GiB", flush=True)
-        del runner, context, box
+        del runner, context
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    if args.compile:
+        res["compiled"] = measure_compiled(args, res, target, draft, engine, state, cands, batches, n, steps, gen,
+                                           device)
 
     # ---- the estimate (assumptions: every candidate's tau = --tau; context length as measured) ----
     N, tau = args.new_tokens, args.tau

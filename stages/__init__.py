@@ -36,32 +36,33 @@ STAGES = {
                   "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
                   "size and write label shards (output_dir/labels/)", ("model", "decode", "prepare", "label", "profile",
-                                                                         "workers", "ray"),
+                                                                         "engine", "workers", "ray"),
                   "stages.label"),
         StageInfo("preflight", "check every worker the label stage expects before any work: devices (Ray's GPUs "
                   "against torch), the models (reachable, weights matching their class, the same bytes on every "
                   "node), output_dir (written and read from every node), the memory plan; one table, exit 1 naming "
-                  "the node and the key", ("model", "decode", "prepare", "label", "profile", "workers", "ray"),
+                  "the node and the key", ("model", "decode", "prepare", "label", "profile", "engine", "workers",
+                                          "ray"),
                   "stages.preflight"),
         StageInfo("profile", "the cost model alone: seconds per decode step (draft and verify apart) at every b in "
                   "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
-                  ("model", "decode", "label", "profile"), "stages.profile"),
+                  ("model", "decode", "label", "profile", "engine"), "stages.profile"),
         StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
                   "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
                   "stages.train"),
         StageInfo("tune", "choose the per-step verify rule (threshold, running acceptance, or learned from the "
                   "labels' traces): every rule simulated on the label set's held-out prompts by modelled time, the "
                   "best decoded to confirm (output_dir/tune/step_rule.json, verify_model.json)",
-                  ("model", "decode", "prepare", "tune", "workers", "ray"), "stages.tune"),
+                  ("model", "decode", "prepare", "tune", "engine", "workers", "ray"), "stages.tune"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
                   "on held-out prompt sets (output_dir/eval/)",
-                  ("model", "decode", "prepare", "evaluate", "workers", "ray"),
+                  ("model", "decode", "prepare", "evaluate", "engine", "workers", "ray"),
                   "stages.evaluate"),
         StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
                   "stages.report"),
         StageInfo("run", "prepare -> label -> train -> tune -> evaluate -> report; stages already complete are "
-                  "skipped", ("model", "decode", "prepare", "label", "profile", "train", "tune", "evaluate", "workers",
-                              "ray"),
+                  "skipped", ("model", "decode", "prepare", "label", "profile", "engine", "train", "tune", "evaluate",
+                              "workers", "ray"),
                   "stages.run"),
     )
 }

@@ -110,6 +110,7 @@ class DecodingStage(ShardStage):
     def setup(self, worker: Worker) -> None:
         import torch
 
+        from pipeline.decoding.compiled import apply_compile
         from pipeline.decoding.engine import Engine
         from pipeline.decoding.models import load_models
 
@@ -118,11 +119,12 @@ class DecodingStage(ShardStage):
         self.worker = worker
         self.models = load_models(self.cfg.model)
         stops = self.models.stop_token_ids if self.cfg.decode.stop_on_eos else None
+        self.compiled = apply_compile(self.models, self.cfg.engine.compile)
         self.engine = Engine(self.models.target, self.models.draft, stops)
         self.device = f"{self.models.device}/{str(self.models.dtype).replace('torch.', '')}"
 
     def worker_info(self) -> Dict[str, Any]:
-        return {"device": self.device}
+        return {"device": self.device, "compiled": self.compiled}
 
     def decode_kwargs(self) -> Dict[str, Any]:
         d = self.cfg.decode

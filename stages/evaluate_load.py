@@ -81,6 +81,7 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     import torch
 
     from pipeline.decoding.batched import BatchedEngine, fixed
+    from pipeline.decoding.compiled import apply_compile
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models
     from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary
@@ -94,6 +95,7 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     if models.device.type == "cpu":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as one decoding actor of one CPU runs
+    apply_compile(models, cfg.engine.compile)
     engine = Engine(models.target, models.draft, models.stop_token_ids if cfg.decode.stop_on_eos else None)
     batched = BatchedEngine(engine)
     policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)

@@ -31,6 +31,7 @@ from pipeline.labelling.settings import resolve_mode, trace_block_size, trained_
 from pipeline.labelling.shard import label_row, label_table, parquet_options
 from pipeline.labelling.summary import (SUMMARY_COLUMNS, chosen_cost_profile, label_shard_stats, label_summary,
                                         merge_label_stats)
+from pipeline.runtime.log import get as log
 
 from .ray_executor import execute
 from .decoding import DecodingStage
@@ -130,6 +131,26 @@ class LabelStage(DecodingStage):
                                         {**self.revisions, "worker": worker.identity})
         self.step_cost = self.cost_profile.costs(self.candidates)
 
+    @cached_property
+    def continuation(self):
+        from pipeline.labelling.continuation import ContinuationChoice
+
+        return ContinuationChoice(self.cfg.label.continuation, self.block_size, self.cost_profile)
+
+    def label_batch(self, ids):
+        """One replay batch, its continuation decoded the way ContinuationChoice picks (logged when that changes)."""
+        from pipeline.labelling.batched import batched_replay_label_prompts
+
+        before = (self.continuation.last or {}).get("continuation")
+        spec = self.continuation.choose(len(ids), self.cfg.decode.max_new_tokens) == "speculative"
+        if self.continuation.last["continuation"] != before:
+            log("label").info(f"{self.worker.identity}: {self.continuation.describe()}")
+        out = batched_replay_label_prompts(self.engine, ids, self.candidates, step_cost=self.step_cost,
+                                           continuation_block_size=self.block_size if spec else None,
+                                           **self.decode_kwargs(), trace_block_size=self.trace_block_size)
+        self.continuation.observe([o.tau[o.candidates.index(self.block_size)] for o in out])
+        return out
+
     def worker_info(self) -> Dict[str, Any]:
         p = self.cost_profile
         ms = [c * 1e3 for c in self.step_cost.values()]
@@ -181,12 +202,13 @@ class LabelStage(DecodingStage):
 
             batches = ShardBatches(
                 table.column("prompt_id").to_pylist(), table.column("input_ids").to_pylist(), self.label_batch_size,
-                lambda ids: batched_replay_label_prompts(self.engine, ids, self.candidates, step_cost=self.step_cost,
-                                                         **kw))
+                self.label_batch)
         rows = [label_row(rec, out, logits, self.worker.identity)
                 for rec, (out, logits) in self.each_prompt(input, table, rejects, measure)]
-        batching = batches.counts() if batches is not None else {}
-        return label_table(rows, self.models.vocab_size, {**self.shard_metadata(), "batching": batching})
+        continuations = self.continuation.drained() if batches is not None else []
+        batching = {**batches.counts(), **self.continuation.counts(continuations)} if batches is not None else {}
+        return label_table(rows, self.models.vocab_size, {**self.shard_metadata(), "batching": batching,
+                                                          "continuations": continuations})
 
     def parquet_options(self, table: pa.Table) -> Dict[str, Any]:
         return parquet_options(table)
@@ -237,7 +259,9 @@ class LabelStage(DecodingStage):
         if b.get("batches"):
             lines.append(f"batches: {b['batches']} (label.batch_size={self.cfg.label.batch_size}); "
                          f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
-                         f"{b['prompts_retried_alone']} prompts retried one by one")
+                         f"{b['prompts_retried_alone']} prompts retried one by one; continuation (label.continuation="
+                         f"{self.cfg.label.continuation}): {b.get('continuation_greedy', 0)} greedy, "
+                         f"{b.get('continuation_speculative', 0)} speculative at B={self.block_size}")
         return lines
 
 

@@ -21,6 +21,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     from pipeline.labelling.labels import candidate_block_sizes
     from pipeline.policy.cost import FILENAME, largest_decoded_block_size
     from pipeline.decoding.load_profile import profile_with_load
+    from pipeline.decoding.compiled import apply_compile
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models
     from pipeline.decoding.provenance import model_provenance
@@ -32,6 +33,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     models = load_models(m)
     if models.device.type == "cpu":
         torch.set_num_threads(1)  # as a label worker of one CPU runs (workers.cpus_per_worker = 1)
+    apply_compile(models, cfg.engine.compile)  # the engine evaluate serves with
     engine = Engine(models.target, models.draft, models.stop_token_ids)
     B = trained_block_size(cfg)
     revisions = {"target_revision": model_provenance(m.target, m.target_revision, "model.target")["revision"],

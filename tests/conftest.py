@@ -50,9 +50,9 @@ FAST = [
     # One short round of the start-up cost profile: the default's 2 contexts x 3-5 rounds took 48-57 s of a 68 s
     # 16-prompt label run (labelling itself ~2 s). No test here asserts on measured costs.
     "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
-    # The load grid (c = 4, 16) once, and evaluate at c = 16 with two timed repeats: the stage tests check what is
-    # written, not the timings.
-    "profile.load_rounds=1", "evaluate.load_repeats=2",
+    # The load grid (c = 4, 16: the default's finer grid adds start-up, not coverage) once, and evaluate at c = 16
+    # with two timed repeats: the stage tests check what is written, not the timings.
+    "profile.concurrency=[1,4,16]", "profile.load_rounds=1", "evaluate.load_repeats=2",
 ]
 
 

@@ -260,8 +260,12 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "measured once at start-up; `cost_profile.json` beside the shards refits every worker's points that share the "
     "hardware, device, dtype, models and grid of the worker that labelled the most rows (`pooled_workers`).",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
-    "batching": "{batches, batches_failed, batches_out_of_memory, prompts_retried_alone}: label.batch_size's "
-    "batches in this shard, and the failed ones whose prompts were labelled one by one.",
+    "batching": "{batches, batches_failed, batches_out_of_memory, prompts_retried_alone, continuation_greedy, "
+    "continuation_speculative}: label.batch_size's batches in this shard, the failed ones whose prompts were "
+    "labelled one by one, and how many decoded the target's continuation each way (label.continuation).",
+    "continuations": "Per batch of this shard, in order: {continuation (greedy or speculative), rows, "
+    "predicted_greedy_seconds, predicted_speculative_seconds (null before this worker measured tau(B)), "
+    "block_size, tau (the worker's mean tau(B) so far)}: the cost profile's prediction the choice was made on.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
     "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
 }

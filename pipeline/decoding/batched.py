@@ -71,6 +71,7 @@ class BatchStep:
     verify_seconds: float
     at: float  # seconds since the run started, at the step's end
     width: int = 0  # keys per row its attention read: the longest row's end (attention is padded to it per row)
+    committed: int = 0  # tokens the step committed over its rows (bonus tokens included)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class _Row:
     context: Optional[torch.Tensor] = None  # [m, F]: features of positions ctx_from .. start - 1, not yet drafted on
     ctx_from: int = 0
     stopped: bool = False
+    kept: Optional[List[torch.Tensor]] = None  # with keep_context: the features of positions 0 .. start - 1
 
     @property
     def start(self) -> int:
@@ -131,8 +133,12 @@ class _Row:
 class BatchedEngine:
     """Continuous batching over an :class:`Engine`'s models (same target, draft, stop tokens and clock)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, keep_context: bool = False):
+        """``keep_context``: every request's DecodeResult also carries the target's context features of every committed
+        position, prompt included ([1, start, F], as Engine.decode(keep_context=True) returns them): what labelling's
+        replay reads when the target's continuation is decoded speculatively (pipeline.labelling.continuation)."""
         require_batchable(engine)
+        self.keep_context = keep_context
         register()
         self.engine, self.target, self.draft = engine, engine.target, engine.draft
         self.device = engine.device
@@ -240,6 +246,8 @@ class BatchedEngine:
             row = _Row(i, slot, prompts[i] + [first], n, n + max_new_tokens, (int(block_size), rule), res, t0,
                        seconds * n / sum(lens), chose, feats[at:at + n] if block_size >= 2 else None, 0)
             row.stopped = first in self.stops
+            if self.keep_context:
+                row.kept = [feats[at:at + n]]
             out.append(row)
             at += n
         return out
@@ -276,7 +284,8 @@ class BatchedEngine:
             at += len(block)
         t2 = self.engine.now()
         run.steps.append(BatchStep("decode", len(rows), len(drafting), sum(sizes[j] for j in drafting), sum(lengths),
-                                   max(sizes), t1 - t0, t2 - t1, self._clock(), layout.width))
+                                   max(sizes), t1 - t0, t2 - t1, self._clock(), layout.width,
+                                   sum(r.result.committed[-1] for r in rows)))
 
     def _accept(self, r: _Row, block: List[int], logits: torch.Tensor, feats: torch.Tensor, draft_probs) -> None:
         """Engine._decode's acceptance for one row: the matching prefix (T = 0) or rejection sampling, the bonus token,
@@ -309,6 +318,8 @@ class BatchedEngine:
         if r.choice[0] >= 2:
             kept = feats[:produced]
             r.context = kept if r.context is None else torch.cat([r.context, kept])
+        if r.kept is not None:
+            r.kept.append(feats[:produced])
 
     def _draft(self, rows: List[_Row], sizes: List[int]):
         """One packed draft forward: each row's pending context features (written into the draft's slot cache) and its
@@ -383,6 +394,8 @@ class BatchedEngine:
         res = r.result
         res.output_ids = torch.tensor([r.ids[:min(r.start + 1, r.max_length)]], dtype=torch.long)
         res.stopped = bool(r.stopped)
+        if r.kept is not None:
+            res.context = torch.cat(r.kept)[None]
         return RequestResult(r.index, res, r.choice, r.admitted_at, self._clock(), r.prefill_seconds,
                              r.choose_seconds)
 

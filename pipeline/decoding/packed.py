@@ -73,9 +73,20 @@ class TargetPass:
     cache: SlotCache
 
 
-def attend(q, k, v, mask, scaling):
+def attend(q, k, v, mask, scaling, broadcast_gqa=None):
+    """SDPA over grouped key/value heads, with a mask. On CPU the key/value heads are broadcast (``enable_gqa``: no
+    copy; benchmarks/results/labelling-target-gqa-attention.md). On CUDA a mask with ``enable_gqa`` leaves only the
+    math kernel (it materialises the scores; transformers' sdpa_attention.use_gqa_in_sdpa says the same), so there
+    the heads are repeated and the memory-efficient kernel, which takes a mask, runs: one copy of the row's keys
+    per group against the scores matrix. Which kernels accept each call on a device: benchmarks/sdpa_kernels.py.
+    ``broadcast_gqa`` forces either way (tests)."""
+    groups = q.shape[1] // k.shape[1]
+    if broadcast_gqa is None:
+        broadcast_gqa = q.device.type != "cuda" or mask is None
+    if groups > 1 and not broadcast_gqa:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                                            enable_gqa=q.shape[1] != k.shape[1])
+                                                            enable_gqa=groups > 1 and broadcast_gqa)
 
 
 def _ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -126,7 +126,8 @@ def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile):
     tau = splits.tau[splits.train][:, :len(cands)]
     b = cands[train_chosen_index(tau, [profile.cost(x) for x in cands])]
     load = LoadCost.from_profile(profile)
-    return b, (schedule(tau, cands, load, load.concurrency) if len(load.concurrency) > 1 else None)
+    return b, (schedule(tau, cands, load, load.concurrency, splits.train_widths) if len(load.concurrency) > 1
+               else None)
 
 
 def load_deploy(output_dir, cost_profile=None) -> Deploy:

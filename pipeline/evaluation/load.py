@@ -53,6 +53,8 @@ the memory plan's budget, stages/memory_checks.py; then the methods run in group
 | `modelled_decode_seconds` | the ragged cost model's seconds for the same decode steps (cost_profile.json v3) |
 | `throughput`, `modelled_throughput` | new tokens per second: measured; modelled (decode model + measured prefill) |
 | `latency_mean`, `latency_p50`, `latency_p95` | per request, seconds from its admission (prefill) to its last token |
+| `full_steps`, `full_tokens` | the decode steps with all c rows running (the steady state a server with more requests than slots runs, and what b*(c) models), and the tokens they committed |
+| `full_throughput`, `modelled_full_throughput` | tokens per second over those steps (decode only): measured; the ragged cost model's; null without a full step |
 """
 
 
@@ -87,6 +89,14 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
     prefill = sum(s.verify_seconds for s in run.steps if s.kind == "prefill")
     measured_steps = sum(s.draft_seconds + s.verify_seconds for s in decode)
     modelled_steps = load_cost.run_seconds(run.steps) if load_cost is not None else None
+    # The steady state: the steps with all c rows running, what a server with more requests than slots runs and
+    # what the schedule b*(c) models (full steps of c rows). A finite prompt set also has a ragged tail, longer for
+    # a speculative method whose requests finish at scattered steps than for AR's (at c = 16 on the default run
+    # b = 4 took 177 steps for 5,235 tokens, 106 of them with all rows running; AR 381, 273 of them full).
+    full = [s for s in decode if s.rows == c]
+    full_measured = sum(s.draft_seconds + s.verify_seconds for s in full)
+    full_modelled = load_cost.run_seconds(full) if load_cost is not None and full else None
+    full_tokens = sum(s.committed for s in full)
     lat = np.array([r.latency for r in run.requests])
     sizes = sorted({int(r.choice[0]) for r in run.requests})
     return {"concurrency": int(c), "method": method, "repeat": int(repeat), "same_as": same_as,
@@ -96,6 +106,9 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
             "modelled_decode_seconds": None if modelled_steps is None else float(modelled_steps),
             "throughput": run.new_tokens / run.wall_seconds,
             "modelled_throughput": None if modelled_steps is None else run.new_tokens / (modelled_steps + prefill),
+            "full_steps": len(full), "full_tokens": int(full_tokens),
+            "full_throughput": full_tokens / full_measured if full_measured > 0 else None,
+            "modelled_full_throughput": full_tokens / full_modelled if full_modelled else None,
             "latency_mean": float(lat.mean()), "latency_p50": float(np.percentile(lat, 50)),
             "latency_p95": float(np.percentile(lat, 95))}
 
@@ -173,6 +186,9 @@ def load_summary(rows: List[Dict[str, Any]], c: int, baselines: Dict[str, str]) 
         mt = [r["modelled_throughput"] for r in rs if r["modelled_throughput"] is not None]
         table[m].update(modelled_throughput=float(np.mean(mt)) if mt else None, repeats=len(rs),
                         same_as=rs[0]["same_as"], block_sizes=rs[0]["block_sizes"])
+        for k in ("full_throughput", "modelled_full_throughput"):  # rows written before the column: absent
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            table[m][k] = float(np.mean(vals)) if vals else None
     head = {}
     for name, base in baselines.items():
         a = [r["throughput"] for r in at if r["method"] == ADAPTIVE]
@@ -182,28 +198,41 @@ def load_summary(rows: List[Dict[str, Any]], c: int, baselines: Dict[str, str]) 
         ma, mb = table.get(ADAPTIVE, {}).get("modelled_throughput"), table.get(base, {}).get("modelled_throughput")
         head[name] = {"baseline": base, "measured": measured,
                       "modelled_gain": None if not (ma and mb) else ma / mb - 1}
-    errors = {}
-    ar = table.get("AR")
-    if ar and ar.get("modelled_throughput"):
-        for m, t in table.items():
-            if m != "AR" and t.get("modelled_throughput"):
-                errors[m] = (t["modelled_throughput"] / ar["modelled_throughput"]) / (t["throughput"] /
-                                                                                       ar["throughput"]) - 1
-    return {"concurrency": c, "methods": table, "headline": head,
+    errors, full_errors = _speedup_errors(table, "throughput"), _speedup_errors(table, "full_throughput")
+    fastest = {k: max((m for m in table if table[m].get(k)), key=lambda m: table[m][k], default=None)
+               for k in ("throughput", "full_throughput")}
+    return {"concurrency": c, "methods": table, "headline": head, "fastest": fastest,
             "cost_model": {"speedup_error": errors,
-                           "mean_abs_speedup_error": float(np.mean(np.abs(list(errors.values())))) if errors else None}}
+                           "mean_abs_speedup_error": float(np.mean(np.abs(list(errors.values())))) if errors else None,
+                           "full_speedup_error": full_errors,
+                           "mean_abs_full_speedup_error": float(np.mean(np.abs(list(full_errors.values()))))
+                           if full_errors else None}}
+
+
+def _speedup_errors(table: Dict[str, Dict[str, Any]], key: str) -> Dict[str, float]:
+    """{method: modelled speedup over AR / measured speedup over AR - 1} for a throughput ``key`` of the table
+    (its modelled twin is ``modelled_`` + key), every method but AR where both are known."""
+    ar, mkey = table.get("AR") or {}, f"modelled_{key}"
+    if not (ar.get(key) and ar.get(mkey)):
+        return {}
+    return {m: (t[mkey] / ar[mkey]) / (t[key] / ar[key]) - 1 for m, t in table.items()
+            if m != "AR" and t.get(key) and t.get(mkey)}
 
 
 def render_load(s: Dict[str, Any]) -> List[str]:
     """A short table per load, as the run's closing lines print it."""
     c, t = s["concurrency"], s["methods"]
     ar = t.get("AR", {}).get("throughput")
-    lines = [f"c={c}: method              tok/s  modelled   x AR  latency p50/p95 s"]
+    ar_full = t.get("AR", {}).get("full_throughput")
+    lines = [f"c={c}: method              tok/s  modelled   x AR  latency p50/p95 s   full steps: tok/s modelled  x AR"]
     for m, r in t.items():
         mod = f"{r['modelled_throughput']:8.1f}" if r.get("modelled_throughput") else "       -"
         same = f"  (= {r['same_as']})" if r.get("same_as") else ""
+        fu, fm = r.get("full_throughput"), r.get("modelled_full_throughput")
+        fmod = f"{fm:8.1f}" if fm else "       -"
+        full = f"   {fu:7.1f}  {fmod}  {fu / ar_full if ar_full else 0:5.2f}x" if fu else "   -"
         lines.append(f"  {m:<20} {r['throughput']:7.1f}  {mod}  {r['throughput'] / ar if ar else 0:5.2f}x  "
-                     f"{r['latency_mean']:.2f}/{r['latency_p95']:.2f}{same}")
+                     f"{r['latency_mean']:.2f}/{r['latency_p95']:.2f}{' ' * 8}{full}{same}")
     for name, h in s["headline"].items():
         me = h["measured"]
         ci = me.get("ci95") if me else None
@@ -211,9 +240,14 @@ def render_load(s: Dict[str, Any]) -> List[str]:
         mod = f"{h['modelled_gain']:+.2%}" if h["modelled_gain"] is not None else "-"
         lines.append(f"  adaptive vs {name} ({h['baseline']}): measured {me['gain']:+.2%} {ci_s} over "
                      f"{me['repeats']} repeats; modelled {mod}")
-    err = s["cost_model"]["mean_abs_speedup_error"]
+    err, full_err = s["cost_model"]["mean_abs_speedup_error"], s["cost_model"].get("mean_abs_full_speedup_error")
     if err is not None:
-        lines.append(f"  cost model: mean |speedup error| {err:.1%}")
+        lines.append(f"  cost model: mean |speedup error| {err:.1%}"
+                     + (f" (full steps alone: {full_err:.1%})" if full_err is not None else ""))
+    fastest = s.get("fastest") or {}
+    if fastest.get("full_throughput"):
+        lines.append(f"  fastest: {fastest['throughput']} over the whole run (its ragged tail included), "
+                     f"{fastest['full_throughput']} over the full steps (the steady state b*(c) models)")
     k = s.get("engines_at_once")
     if k and k < len(t):
         lines.append(f"  timed {k} method(s) at a time: every method's slot caches at once exceed the memory plan")

@@ -48,7 +48,9 @@ def _sdpa_cpu_gqa_static(module, query, key, value, attention_mask, dropout=0.0,
     out. Their weights are zeros, so only the kernel's blocking of the keys changes: the same g and features up to
     float rounding, as a dynamic cache would give, from fewer keys read per decode step.
     Measured: benchmarks/results/labelling-static-cache-width.md."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool and query.device.type == "cpu":
+    # Not under torch.compile (engine.compile=on): the width is data-dependent, a graph break per layer.
+    if (attention_mask is not None and attention_mask.dtype == torch.bool and query.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
         width = _visible_width(attention_mask)
         if width < key.shape[-2]:
             key, value, attention_mask = key[:, :, :width], value[:, :, :width], attention_mask[..., :width]

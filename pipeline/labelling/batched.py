@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from pipeline.labelling.continuation import speculative_continuations
 from pipeline.labelling.greedy import greedy_continuations
 from pipeline.labelling.labels import PromptLabels, _labels
 from pipeline.labelling.runner import DraftRunner
@@ -55,12 +56,14 @@ def length_sorted_chunks(lengths: Sequence[int], batch_size: int) -> List[List[i
 def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence[int], max_new_tokens: int,
                                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                                  step_cost: Optional[Dict[int, float]] = None, pad_token_id: int = 0,
-                                 trace_block_size: Optional[int] = None) -> List[PromptLabels]:
+                                 trace_block_size: Optional[int] = None,
+                                 continuation_block_size: Optional[int] = None) -> List[PromptLabels]:
     """replay_label_prompt for a batch of prompts (token id lists or [1, n] tensors): one PromptLabels per prompt,
     in order, with the same fields, the trace at ``trace_block_size`` included (pipeline.labelling.trace: one more
     draft pass, every start of every prompt, batched like the walks). Raises ValueError before any work at T > 0
     or for a draft replay does not model; any error inside the batch fails the whole batch (the caller retries its
-    prompts alone)."""
+    prompts alone). ``continuation_block_size``: g from a batched speculative decode at that b instead of one-token
+    greedy (pipeline.labelling.continuation; the same g at T = 0)."""
     if temperature > 0:
         raise ValueError("replay labelling is exact only at temperature 0; use exhaustive mode")
     require_replayable(engine.draft)
@@ -71,10 +74,14 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         raise ValueError("every prompt needs at least one token")
     P = len(prompts)
     t0 = engine.now()
-    # g, the draft's context features and the prefill logits from one batched greedy decode.
-    news, context, logits, prefill_seconds = greedy_continuations(
-        engine.target, prompts, max_new_tokens, engine.stop_token_ids, pad_token_id,
-        layer_ids=engine.draft.target_layer_ids, clock=engine.now)
+    # g, the draft's context features and the prefill logits from one batched decode.
+    if continuation_block_size:
+        news, context, logits, prefill_seconds = speculative_continuations(engine, prompts, max_new_tokens,
+                                                                           continuation_block_size)
+    else:
+        news, context, logits, prefill_seconds = greedy_continuations(
+            engine.target, prompts, max_new_tokens, engine.stop_token_ids, pad_token_id,
+            layer_ids=engine.draft.target_layer_ids, clock=engine.now)
     gs = [p + c for p, c in zip(prompts, news)]
     runner = DraftRunner(engine.draft, engine.target, gs, context)
     walks = lockstep_walks(gs, [len(p) for p in prompts], max_new_tokens, list(candidates), runner.propose,

@@ -72,6 +72,13 @@ def fit_width(points: List[Dict[str, Any]], part: str, ref_width: float) -> Dict
     x = np.stack([np.ones_like(b), w] if one_b else [np.ones_like(b), b, w, b * w], axis=1)
     coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
     i, sl, pk, pkb = (coef[0], 0.0, coef[1], 0.0) if one_b else coef
+    if min(pk + pkb * b.min(), pk + pkb * b.max()) < -1e-10:  # below 0.1 ns a key: rounding, not a slope
+        # Keys never make a step cheaper: a negative slope is the profile's noise (AR's per-key cost is small
+        # beside its step and came out negative at c = 4, 8 and 16 in default runs), and extrapolated to the
+        # evaluation's longer rows it models those steps too fast. Refit without the width terms.
+        x = x[:, :1] if one_b else x[:, :2]
+        coef = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
+        i, sl, pk, pkb = (coef[0], 0.0 if one_b else coef[1], 0.0, 0.0)
     return {"intercept": float(i), "slope": float(sl), "per_key": float(pk), "per_key_b": float(pkb),
             "ref_width": float(ref_width)}
 
@@ -182,19 +189,33 @@ class LoadCost:
                                            getattr(s, "width", 0) or None) for s in steps if s.kind == "decode"))
 
 
+def padded_width(widths: Sequence[float], c: int) -> float:
+    """The expected keys a row's attention reads in a step of c rows drawn from ``widths``: the batched engine pads
+    a step's attention to its longest row, so E[max of c draws] (the empirical distribution, with replacement):
+    sum_i w_(i) (F_i^c - F_(i-1)^c) over the sorted widths."""
+    w = np.sort(np.asarray(widths, dtype=np.float64))
+    n = len(w)
+    upto = np.arange(1, n + 1) / n
+    return float((w * (upto ** c - (upto - 1 / n) ** c)).sum())
+
+
 def schedule(tau_train: np.ndarray, candidates: Sequence[int], load: LoadCost,
-             concurrency: Sequence[int]) -> Dict[int, int]:
+             concurrency: Sequence[int], widths: Optional[Sequence[float]] = None) -> Dict[int, int]:
     """b*(c): at each c the one fixed b with the least modelled time per token on the train rows (mean of cost(b, c)
     / tau), as the train-chosen b is chosen at c = 1; ties to the smaller b. b = 1, no speculation (tau 1 on every
     row by definition), is always one of the options where the profile timed it: at high load a verify of b tokens
     costs up to b times a plain step, and then not speculating is the fastest (issue #44: AR beat every b at c = 16
-    on the default run)."""
+    on the default run). ``widths``: the train rows' mean keys a row (pipeline.training.data.Splits.widths); each c's
+    costs are then taken at :func:`padded_width`, the width its steps run at, rather than at the profile's mean
+    (b's per-key cost grows with its b queries, so a wider step favours the smaller b: at c = 16 on the default run
+    that width was ~1.7x the profile's)."""
     options, tau = list(candidates), np.asarray(tau_train, dtype=np.float64)
     if 1 not in options and has_ar(load):
         options, tau = [1, *options], np.hstack([np.ones((len(tau), 1)), tau])
     out = {}
     for c in concurrency:
-        costs = np.array([load.cost(b, c) for b in options])
+        width = padded_width(widths, c) if widths is not None and len(widths) and c > 1 else None
+        costs = np.array([load.cost(b, c, width) for b in options])
         out[int(c)] = int(options[int(np.argmin((costs[None, :] / tau).mean(axis=0)))])
     return out
 

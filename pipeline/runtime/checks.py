@@ -15,6 +15,8 @@ class ConfigError(ValueError):
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LABEL_MODES = ("auto", "exhaustive", "replay")
 LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
+CONTINUATIONS = ("auto", "greedy", "speculative")  # label.continuation (pipeline.labelling.continuation)
+COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled)
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 POLICY_MODELS = ("ridge", "mlp")
 LABEL_KINDS = ("tau", "speedup")
@@ -36,6 +38,7 @@ def _choices() -> Dict[str, tuple]:
     return {
         "model.dtype": DTYPES,
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
+        "label.continuation": CONTINUATIONS, "engine.compile": COMPILE_MODES,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
         "train.label": LABEL_KINDS, "train.tau_column": TAU_COLUMNS,

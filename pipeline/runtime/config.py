@@ -144,6 +144,11 @@ class LabelConfig:
     trace_block_size: Optional[int] = None
     # One of LOGITS_PRECISIONS: what the stored logits are rounded to; bf16 rows are ~22 % smaller than fp16.
     logits_precision: str = "fp16"
+    # One of CONTINUATIONS: how replay's target continuation g is decoded (pipeline/labelling/continuation.py):
+    # greedy (one token a step) | speculative (the batched engine at B) | auto = per batch, whichever the worker's
+    # cost profile predicts cheaper. The labels are the same either way at T = 0; the float columns (logits, trace
+    # confidences) only to rounding, so under auto a rerun's shards need not match the first run's bit for bit.
+    continuation: str = "greedy"
 
 
 @dataclass
@@ -167,7 +172,7 @@ class ProfileConfig:
     rel_tol: float = 0.02
     # Concurrencies (streams decoding together) timed on the batched engine, 1 first: c = 1 is the batch-1 profile
     # above, each c > 1 times c streams at every other b (pipeline/decoding/load_profile.py).
-    concurrency: List[int] = field(default_factory=lambda: [1, 4, 16])
+    concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     # Rounds of the load grid (every (b, c) once per round, shuffled).
     load_rounds: int = 1
 
@@ -277,6 +282,15 @@ class TuneConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How the decoding engine runs its models (pipeline/decoding/compiled.py)."""
+
+    # One of COMPILE_MODES: auto = compiled on CUDA, eager on CPU (measured not to repay there:
+    # benchmarks/results/engine-compile.md) | on | off.
+    compile: str = "auto"
+
+
+@dataclass
 class WorkerConfig:
     """The decoding actors of label, tune and evaluate."""
 
@@ -312,6 +326,7 @@ class PipelineConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     label: LabelConfig = field(default_factory=LabelConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)

@@ -100,10 +100,18 @@ class Splits:
     tau: np.ndarray  # float32 [N, |A|]: the candidates, then the rule actions' equivalent tau
     y: np.ndarray  # the label index the model learns (the speed label when it uses costs)
     y_tau: np.ndarray  # the stored argmax-tau label index
+    # Keys a row's attention reads on average over its decode (prompt tokens + half its new tokens), where the
+    # shards record prompt_tokens: what a batched step's width is drawn from (pipeline.policy.load_cost.schedule).
+    widths: Optional[np.ndarray] = None
 
     @property
     def train(self) -> np.ndarray:
         return self.split == "train"
+
+    @property
+    def train_widths(self) -> Optional[np.ndarray]:
+        """``widths`` of the train rows (None where the shards do not record prompt lengths)."""
+        return None if self.widths is None else self.widths[self.train]
 
     @property
     def calib(self) -> np.ndarray:
@@ -148,14 +156,20 @@ def read_splits(shards: List[Path], val_fraction: float, candidates: List[int], 
     on the driver)."""
     import pyarrow as pa
 
-    t = pa.concat_tables([read_table(p, columns=["prompt_id", tau_column, label_col]) for p in shards])
+    from pipeline.io.storage import parquet_file
+
+    sized = all({"prompt_tokens", "new_tokens"} <= set(parquet_file(p).schema_arrow.names) for p in shards)
+    extra = ["prompt_tokens", "new_tokens"] if sized else []
+    t = pa.concat_tables([read_table(p, columns=["prompt_id", tau_column, label_col, *extra]) for p in shards])
     d = as_tau(t.to_pydict(), tau_column, candidates)
     ids = d["prompt_id"]
     split = np.array([split_of(i, val_fraction, calibration_fraction) for i in ids])
     tau = with_rule_tau(np.array(d["tau"], dtype=np.float32), ids, rule_tau)
     y_tau = label_index(d[label_col], candidates)
     y = np.asarray(speed_label(tau, costs), dtype=np.int64) if costs is not None else y_tau
-    return Splits(split, tau, y, y_tau)
+    widths = np.array([p + (n[0] if n else 0) / 2 for p, n in zip(d["prompt_tokens"], d["new_tokens"])],
+                      dtype=np.float64) if sized else None
+    return Splits(split, tau, y, y_tau, widths)
 
 
 def read_logits(shards: List[Path]) -> np.ndarray:

@@ -80,7 +80,8 @@ def load_choices(p: Problem) -> Dict[str, Any]:
 
     load = LoadCost.from_profile(p.profile)
     n_c = len(p.candidates)
-    sched = schedule(p.splits.tau[p.splits.train][:, :n_c], p.candidates, load, load.concurrency)
+    sched = schedule(p.splits.tau[p.splits.train][:, :n_c], p.candidates, load, load.concurrency,
+                     p.splits.train_widths)
     scale = float(p.speed["scale"]) if p.speed is not None else 1.0
     out = {}
     for c in load.concurrency:

@@ -400,7 +400,7 @@ def test_gpu_cost_benchmark_runs_on_cpu(tmp_path):
     out = tmp_path / "costs.json"
     assert bench.main(["--smoke", "--prompt-tokens", "16", "--steps", "3", "--batches", "2", "--candidates", "3,4",
                        "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = json.loads(out.read_text())  # its --compile part: tests/integration/test_gpu_check_cpu.py
     assert res["prefill_s"] > 0 and all(v > 0 for v in res["step_s"].values())
     m = res["batched"]["2"]
     assert min(m["prefill_s"], m["decode_step_s"], m["propose_s"], m["read_row_s"]) > 0

@@ -57,6 +57,32 @@ def test_methods_serve_the_same_tokens_and_equal_choices_share_a_decode(batched)
     assert h["measured"]["gain"] == pytest.approx(sum(a) / sum(b) - 1) and h["measured"]["repeats"] == 2
     assert s["cost_model"]["mean_abs_speedup_error"] is None  # no cost model given: nothing modelled
     assert any("adaptive vs b*(c) (b=4)" in line for line in render_load(s))
+    # The steady state: the steps with all 3 rows running, their tokens and seconds (AR's two waves of 3 are all
+    # full; a speculative method's requests end at scattered steps and leave a ragged tail)
+    for r in rows:
+        assert 0 < r["full_steps"] <= r["steps"] and 0 < r["full_tokens"] <= r["new_tokens"]
+        assert r["full_throughput"] > 0 and r["modelled_full_throughput"] is None
+    assert any(r["full_steps"] < r["steps"] for r in by["b=6"] + by[ADAPTIVE])
+    assert all(s["methods"][m]["full_throughput"] > 0 for m in s["methods"])
+    assert s["fastest"]["full_throughput"] in s["methods"]
+
+
+def test_a_steps_committed_tokens_add_up_to_the_runs_and_full_steps_are_those_with_c_rows(batched):
+    m, engine = batched
+    prompts = [m.tokenizer(t)["input_ids"][:12 + 5 * i] for i, t in enumerate(
+        ["def parse(self, text):", "In the beginning God created", "Let x be the number of apples", "import os\n",
+         "The quick brown fox"])]
+    from pipeline.evaluation.load import run_row
+
+    for b in (1, 5):
+        run = engine.run(prompts, 2, 12, fixed(b))
+        decode = [s for s in run.steps if s.kind == "decode"]
+        assert sum(s.committed for s in decode) == run.new_tokens - len(prompts)  # the prefill's first token apart
+        row = run_row(2, f"b={b}", 0, run, None)
+        full = [s for s in decode if s.rows == 2]
+        assert row["full_steps"] == len(full) and row["full_tokens"] == sum(s.committed for s in full)
+        assert row["full_throughput"] == pytest.approx(
+            row["full_tokens"] / sum(s.draft_seconds + s.verify_seconds for s in full))
 
 
 def test_the_pass_at_load_samples_at_the_configured_temperature(batched):

@@ -1,6 +1,7 @@
 """The cost of a batched step over (b, c, width) (pipeline.policy.load_cost) and what the batched engine records for it;
 lockstep runs (pipeline.decoding.batched.lockstep) decode exactly what they decode alone."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +93,68 @@ def test_lockstep_runs_decode_what_they_decode_alone(tiny):
         assert [r.choice for r in got.requests] == [r.choice for r in alone.requests]
         assert [(s.kind, s.rows, s.verify_tokens, s.width) for s in got.steps] == \
             [(s.kind, s.rows, s.verify_tokens, s.width) for s in alone.steps]
+
+
+def test_a_width_slope_the_noise_made_negative_is_refit_without_the_width_axis():
+    """AR's per-key cost is small beside its step; two noisy contexts can fit it negative, and extrapolated to longer
+    rows that would model them faster than short ones. The fit then drops the width terms: the mean, not a slope."""
+    from pipeline.policy.load_cost import fit_width
+
+    ar = [{"b": 1, "context": ctx, "width": float(ctx), "draft_seconds": 0.0, "verify_seconds": y}
+          for ctx, y in ((64, 6.9e-3), (64, 6.5e-3), (256, 6.0e-3), (256, 6.2e-3))]
+    f = fit_width(ar, "total", 160.0)
+    assert f["per_key"] == 0.0 and f["intercept"] == pytest.approx(np.mean([6.9e-3, 6.5e-3, 6.0e-3, 6.2e-3]))
+    # a positive slope is kept as fitted
+    up = [dict(p, verify_seconds=5e-3 + 1e-5 * p["width"]) for p in ar]
+    g = fit_width(up, "total", 160.0)
+    assert g["per_key"] == pytest.approx(1e-5) and g["intercept"] == pytest.approx(5e-3 + 1e-5 * 160)
+    # b >= 2: a per-key cost negative at some b of the fit drops both width terms, the slope in b stays
+    multi = [{"b": b, "context": ctx, "width": float(ctx), "draft_seconds": 0.0,
+              "verify_seconds": 1e-3 * b + (2e-6 - 1e-6 * b) * ctx} for b in (2, 4, 8) for ctx in (64, 256)]
+    h = fit_width(multi, "verify", 160.0)
+    assert h["per_key"] == h["per_key_b"] == 0.0 and h["slope"] > 0
+    # ... while the made-up truth of the tests above (positive at every b) is recovered exactly
+    kept = fit_width([p for p in raw_points(4) if p["b"] >= 2], "draft", 170.0)
+    assert kept["per_key"] > 0 and kept["per_key_b"] > 0
+
+
+def test_padded_width_is_the_expected_longest_of_c_rows():
+    from pipeline.policy.load_cost import padded_width
+
+    assert padded_width([100, 300], 1) == pytest.approx(200)  # one row: the mean
+    assert padded_width([100, 300], 2) == pytest.approx((100 + 3 * 300) / 4)  # max of two draws: 300 unless both 100
+    assert padded_width([250] * 7, 16) == pytest.approx(250)
+    rng = np.random.default_rng(0)
+    w = rng.integers(20, 400, 50).astype(float)
+    draws = rng.choice(w, size=(200_000, 8)).max(axis=1).mean()  # Monte Carlo, independent of the formula
+    assert padded_width(w, 8) == pytest.approx(draws, rel=5e-3)
+    assert padded_width(w, 16) > padded_width(w, 8) > padded_width(w, 1)
+
+
+def test_the_schedule_reads_each_c_at_the_width_its_steps_pad_to():
+    """A profile where b = 4 costs 2.4x AR at the profile's mean width and its per-key cost (4 queries a row) grows
+    faster than AR's: with the rows' widths the c = 16 steps pad to ~the longest row, where AR wins; at the mean
+    width b = 4 does."""
+    from pipeline.policy.load_cost import padded_width, schedule
+
+    def pts(c):
+        return [{"b": b, "context": ctx, "round": 1, "steps": 8, "width": float(ctx),
+                 "draft_seconds": 0.0,
+                 "verify_seconds": 3e-3 + 1e-6 * ctx if b == 1 else 1.6e-3 * b + 2e-6 * b * ctx}
+                for b in (1, 2, 4) for ctx in (64, 256)]
+    load = {}
+    for c in (4, 16):
+        part = fit_load(pts(c), [1, 2, 4], [64, 256])
+        load[str(c)] = {"seconds": {str(b): v for b, v in part["seconds"].items()}, "fit": part["fit"], "raw": part["raw"]}
+    lc = LoadCost.from_profile(CostProfile({1: 1e-3, 2: 1.5e-3, 4: 2e-3}, meta={"load": load, "concurrency": [1, 4, 16]},
+                                           version=3))
+    tau = np.full((40, 2), [1.2, 3.0])  # candidates 2 and 4
+    widths = np.r_[np.full(30, 60.0), np.full(10, 900.0)]
+    assert padded_width(widths, 16) > 850 and widths.mean() < 300
+    at_mean = schedule(tau, [2, 4], lc, [1, 4, 16])
+    at_pad = schedule(tau, [2, 4], lc, [1, 4, 16], widths)
+    assert at_mean[16] == 4 and at_pad[16] == 1
+    for c in (4, 16):  # what each chose is the least mean cost / tau at the width it read
+        for sched, w in ((at_mean, None), (at_pad, padded_width(widths, c))):
+            per = {b: lc.cost(b, c, w) / (1.0 if b == 1 else tau[0, [2, 4].index(b)]) for b in (1, 2, 4)}
+            assert sched[c] == min(per, key=per.get)

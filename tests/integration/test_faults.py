@@ -159,6 +159,7 @@ def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path
         (victim, pid), _ = run.wait_for(workers, 240, "the two worker lines")
         run.wait_for(lambda: first_input.stat().st_atime_ns > mtime, 240, "the victim to read its first shard")
         shards_at_kill = len(list_shards(labels))
+        victims_done = (labels / "part-00000.parquet").exists()
         os.kill(int(pid), signal.SIGKILL)
         rc = run.wait(300)
     finally:
@@ -166,7 +167,9 @@ def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path
     print(f"[fault] label actor {victim} pid={pid} SIGKILLed with {shards_at_kill}/4 shards written; run exit {rc};"
           f" Ray said: {[x[:120] for x in run.lines if 'worker died' in x][:1]}")
     assert rc == 0, run.tail()
-    assert shards_at_kill == 0  # no shard finished yet: the victim had its first shard in flight
+    # The victim's own shard was in flight, not finished (the other worker may have finished some of its own by then:
+    # 2 of 4 on a loaded CI machine)
+    assert not victims_done, shards_at_kill
     assert any("worker died or was killed while executing a task" in x for x in run.lines), run.tail()  # as Ray saw it
     assert "FAILED" not in run.output and "failed after retries" not in run.output, run.tail()
     # The pool, not Ray, retries the killed actor's shard (one attempt spent): on the victim once Ray has restarted

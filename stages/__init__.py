@@ -52,7 +52,9 @@ STAGES = {
                   "stages.train"),
         StageInfo("tune", "choose the per-step verify rule (threshold, running acceptance, or learned from the "
                   "labels' traces): every rule simulated on the label set's held-out prompts by modelled time, the "
-                  "best decoded to confirm (output_dir/tune/step_rule.json, verify_model.json)",
+                  "best decoded to confirm (output_dir/tune/step_rule.json, verify_model.json); then b*(c) timed against no "
+                  "speculation on val prompts at each c > 1 of evaluate.concurrency, K = 0 where it is not measured "
+                  "faster (tune/load_check.json)",
                   ("model", "decode", "prepare", "tune", "engine", "workers", "ray"), "stages.tune"),
         StageInfo("evaluate", "adaptive decoding with the policy vs autoregressive, every fixed b and the oracle, "
                   "on held-out prompt sets (output_dir/eval/)",

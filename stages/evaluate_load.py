@@ -26,7 +26,9 @@ LOAD_ROWS, LOAD_SUMMARY = "load.parquet", "load.json"
 def _fingerprint(cfg, stage) -> Dict[str, Any]:
     return {"policy": file_sha256(stage.policy_dir / "policy.json"), "concurrency": list(cfg.evaluate.concurrency),
             "repeats": cfg.evaluate.load_repeats, "decode": vars(cfg.decode), "model": vars(cfg.model),
-            "prompts": file_sha256(stage.prompts / "manifest.json")}
+            "prompts": file_sha256(stage.prompts / "manifest.json"),
+            # the schedule it runs is the load check's, when tune made one
+            "load_check": file_sha256(stage.layout.load_check) if stage.layout.load_check.is_file() else None}
 
 
 def run_load(cfg, stage) -> Dict[str, Any]:
@@ -44,7 +46,9 @@ def run_load(cfg, stage) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    summaries, rows, where = _measure_where_it_fits(cfg, stage, loads, info)
+    from .device_task import on_a_worker
+
+    summaries, rows, where = on_a_worker(stage, _measure, cfg, stage, loads, info, what="at load")
     from pipeline.evaluation.load import render_load
 
     for summary in summaries.values():
@@ -56,65 +60,33 @@ def run_load(cfg, stage) -> Dict[str, Any]:
     return summaries
 
 
-def _measure_where_it_fits(cfg, stage, loads: List[int], info: Dict[str, Any]):
-    """_measure in a Ray task that asks what one of the stage's workers asks (one GPU, or its CPUs), so that the
-    models load where they fit, never in a GPU-less driver; here when Ray is not running."""
-    import time
-
-    import ray
-
-    if not ray.is_initialized():
-        return _measure(cfg, stage, loads, info)
-    from .placement import plan_workers
-
-    place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
-    task = ray.remote(_measure).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0)
-    say = log("evaluate")
-    say.info(f"at load: one task of {place.asks()} (models on {place.device})")
-    ref, t0 = task.remote(cfg, stage, loads, info), time.monotonic()
-    while not ray.wait([ref], timeout=60.0)[0]:
-        say.info(f"at load: running for {time.monotonic() - t0:.0f} s")
-    return ray.get(ref)
-
-
 def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
-    import torch
-
-    from pipeline.decoding.batched import BatchedEngine, fixed
-    from pipeline.decoding.compiled import apply_compile
-    from pipeline.decoding.engine import Engine
-    from pipeline.decoding.models import load_models
+    from pipeline.decoding.batched import fixed
     from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary
     from pipeline.policy.blocksize import BlockSizePolicy
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
 
+    from .device_task import batched_engine, where
     from .memory_checks import engines_at_once
 
-    models = load_models(cfg.model)
-    if models.device.type == "cpu":
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as one decoding actor of one CPU runs
-    apply_compile(models, cfg.engine.compile)
-    engine = Engine(models.target, models.draft, models.stop_token_ids if cfg.decode.stop_on_eos else None)
-    batched = BatchedEngine(engine)
-    policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)
-    try:
-        policy = policy.fold(models.target.lm_head)
-    except ValueError:
-        pass
     load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
     prompts = [p for shard in list_shards(stage.prompts)
                for p in read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()]
-    sched = {int(c): int(b) for c, b in info["schedule"].items()}
+    sched = schedule_of(stage, info)
     summaries, rows = {}, []
-    try:
+    with batched_engine(cfg) as (models, batched):
+        policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)
+        try:
+            policy = policy.fold(models.target.lm_head)
+        except ValueError:
+            pass
         for c in loads:
             choosers = {"AR": fixed(1), **{f"b={b}": fixed(b) for b in stage.candidates}}
-            rule = _rule_at(stage, c)
+            rule = _rule_at(stage, c, sched)
             if rule is not None:  # tune's rule at c, alone
                 choosers["per-step"] = fixed(rule[1], rule[0])
-            choosers[ADAPTIVE] = _adaptive(policy.at_load(c), rule)
+            choosers[ADAPTIVE] = _adaptive(policy.at_load(c, fallback=sched[c]), rule)
             # AR too, timed in every repeat: no speculation is a choice at every load (b*(c) may be 1 itself)
             baselines = {"AR": "AR", "b*(c)": _method(sched[c]), "b*(1)": _method(sched[1])}
             # every method's engine at once when their slot caches fit the memory plan's budget, else fewer
@@ -127,35 +99,31 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
                                    top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
             rows += got
             summaries[str(c)] = {**load_summary(got, c, baselines), "engines_at_once": at_once}
-    finally:
-        if models.device.type == "cpu":
-            torch.set_num_threads(threads)
-    return summaries, rows, _where(models.device)
+        return summaries, rows, where(models.device)
+
+
+def schedule_of(stage, info: Dict[str, Any]) -> Dict[int, int]:
+    """b*(c) as evaluate runs it: train's schedule (policy.json) as tune's load check left it (tune/load_check.json,
+    when tune ran it), so that the K = 0 loads the check measured are AR here too."""
+    from pipeline.evaluation.load_check import read_checked
+
+    return read_checked(stage.layout.load_check, {int(c): int(b) for c, b in info["schedule"].items()})
 
 
 def _method(b: int) -> str:
     return "AR" if b == 1 else f"b={b}"
 
 
-def _where(device) -> Dict[str, Any]:
-    """Where the pass ran (load.json's ``where``): the Ray node and GPU ids, or the process without Ray."""
-    import ray
-
-    here = {"device": str(device)}
-    if ray.is_initialized():
-        here.update(node_id=ray.get_runtime_context().get_node_id(), gpu_ids=[str(g) for g in ray.get_gpu_ids()])
-    return here
-
-
-def _rule_at(stage, c: int):
+def _rule_at(stage, c: int, sched: Dict[int, int]):
     """(rule, b_max, gain) of tune's choice at c when adaptive adopts it (tune/step_rule.json's ``load``,
-    pipeline.decoding.adaptive.adopted_gain), else None."""
+    pipeline.decoding.adaptive.adopted_gain), else None; None at a load where b*(c) = 1: no speculation there, the
+    rule's neither (tune searched it against the model's b*(c), which the load check may have taken away)."""
     from pipeline.policy.step_rules import LEARNED, LearnedVerify, parse_rule
 
     from pipeline.decoding.adaptive import adopted_gain
 
     got = ((stage.step_rule or {}).get("load") or {}).get(str(c))
-    gain = adopted_gain(got) if got else None
+    gain = adopted_gain(got) if got and sched.get(c, 1) > 1 else None
     if gain is None:
         return None
     rule = LearnedVerify.from_dict(got["learned_model"]) if got["rule"] == LEARNED else parse_rule(got["rule"])

@@ -24,10 +24,11 @@ from typing import Any, Dict, List
 import pyarrow as pa
 
 from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
+from pipeline.evaluation.load_check import CHECK_DOC, check_lines
 from pipeline.evaluation.rule_search import adoption_line, family, read_traced, search
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Plan, Rejects, ShardTask
-from pipeline.io.layout import COST_PROFILE, POLICY_META, STEP_RULE, VERIFY_MODEL, RunLayout
+from pipeline.io.layout import COST_PROFILE, LOAD_CHECK, POLICY_META, STEP_RULE, VERIFY_MODEL, RunLayout
 from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, shard_name, write_json_atomic,
                                 write_parquet_atomic)
 from pipeline.io.storage import location, read_table
@@ -36,6 +37,7 @@ from pipeline.policy.step_rules import LEARNED
 from pipeline.runtime.config import PipelineConfig
 
 from .decoding import DecodingStage
+from .load_check import run_check
 from .ray_executor import execute
 
 SIMULATED = "simulated.parquet"
@@ -43,12 +45,12 @@ SIMULATED = "simulated.parquet"
 
 class TuneStage(DecodingStage):
     name = "tune"
-    extra_outputs = (STEP_RULE, VERIFY_MODEL, SIMULATED)
+    extra_outputs = (STEP_RULE, VERIFY_MODEL, SIMULATED, LOAD_CHECK)
 
     def __init__(self, cfg: PipelineConfig):
         run = RunLayout(location(cfg.output_dir))
         super().__init__(cfg, run.tune, run.prompts, cfg.tune.num_workers, "tune.num_workers")
-        self.train_dir, self.policy_dir, self.labels = run.train, run.policy, run.labels
+        self.train_dir, self.policy_dir, self.labels, self.layout = run.train, run.policy, run.labels, run
 
     def requires(self):
         return [(self.train_dir, "blockpilot train"), (self.labels, "blockpilot label"),
@@ -172,6 +174,9 @@ class TuneStage(DecodingStage):
             write_json_atomic(s["learned"].to_dict(), self.folder / VERIFY_MODEL)
         write_json_atomic(choice, self.folder / STEP_RULE)
         fam = choice["families"]
+        # b*(c) against no speculation, measured at the evaluated loads (the shards' actors are gone: the task gets
+        # a worker's resources): evaluate and deploy run the schedule it leaves
+        check = run_check(self.cfg, self)
         return {"step_rule": choice["rule"], "max_block_size": choice["max_block_size"],
                 "gain_vs_baseline": choice["gain"], "baseline_b": self.baseline, "prompts": choice["prompts"],
                 "oracle_gain": choice["per_step_oracle"]["gain"],
@@ -179,7 +184,10 @@ class TuneStage(DecodingStage):
                              for f, t in fam.items()},
                 "adoption": choice["adoption"],
                 "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
-                "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()}}
+                "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()},
+                **({"load_check": {"schedule": check["schedule"], "skipped": check.get("skipped"),
+                                   "loads": {c: {k: v[k] for k in ("b", "kept", "why", "prompts", "repeats")}
+                                             for c, v in check["loads"].items()}}} if check else {})}
 
     def at_load(self) -> Dict[str, Any]:
         """The rule at each c > 1 of train's schedule (a version-3 cost profile), simulated on the same val rows."""
@@ -202,14 +210,15 @@ class TuneStage(DecodingStage):
                 adoption_line(summary["adoption"]),
                 f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})",
                 *[f"at c={c}: {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']} (simulated)"
-                  for c, v in (summary.get("load") or {}).items()]]
+                  for c, v in (summary.get("load") or {}).items()],
+                *(check_lines(summary["load_check"]) if summary.get("load_check") else [])]
 
     def card(self, manifest: Dict[str, Any]) -> str:
         rows = "\n".join(f"| `{n}` | `{t}` | {doc} |" for n, t, doc in TUNE_COLUMNS)
         return ("# BlockPilot per-step rule tuning\n\nThe shards: one row per decoded held-out label prompt x method; "
                 f"`{SIMULATED}`: one row per val prompt x simulated method (worker `simulated`; the fixed b's row "
                 "has no per-step lengths); `step_rule.json` holds the chosen rule.\n\n"
-                f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n")
+                f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n" + CHECK_DOC)
 
 
 def confirm(decoded: pa.Table, simulated: List[Dict[str, Any]], baseline: int) -> Dict[str, Any]:

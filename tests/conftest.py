@@ -53,6 +53,8 @@ FAST = [
     # The load grid (c = 4, 16: the default's finer grid adds start-up, not coverage) once, and evaluate at c = 16
     # with two timed repeats: the stage tests check what is written, not the timings.
     "profile.concurrency=[1,4,16]", "profile.load_rounds=1", "evaluate.load_repeats=2",
+    # tune's load check on a few val prompts, twice: what it writes and who reads it, not its verdict's timing
+    "tune.load_prompts=8", "tune.load_repeats=2",
 ]
 
 
@@ -200,3 +202,18 @@ def fault_row(request):
                                      "lost": len(set(expected) - set(rows)),
                                      "duplicates": len(rows) - len(set(rows))}) + "\n")
     return record
+
+
+@pytest.fixture(scope="module")
+def batched():
+    """(models, BatchedEngine) of the bundled tiny pair on the CPU in fp32, torch on one thread."""
+    import torch
+
+    from pipeline.decoding.batched import BatchedEngine
+    from pipeline.decoding.engine import Engine
+    from pipeline.decoding.models import load_models
+    from pipeline.runtime.config import load_config
+
+    torch.set_num_threads(1)
+    m = load_models(load_config(["model.device=cpu", "model.dtype=float32"]).model)
+    return m, BatchedEngine(Engine(m.target, m.draft, m.stop_token_ids))

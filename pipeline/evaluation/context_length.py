@@ -139,7 +139,8 @@ def render_table(t: ContextTable) -> List[str]:
     return lines
 
 
-def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_max: int = CTX_MAX) -> List[List[int]]:
+def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_max: int = CTX_MAX,
+                   no_speculation_from: Optional[int] = None) -> List[List[int]]:
     """The 5-item entries [bs_lo, bs_hi, ctx_lo, ctx_hi, K] (K = chosen b - 1), all bounds inclusive, in the form
     vLLM's 5-item validator takes (vllm/v1/spec_decode/dynamic/utils.py at 14b450ca, the PR's code:
     validate_and_normalize_dynamic_sd_schedule): a rectangular (batch size x context) grid, every batch range over
@@ -148,7 +149,8 @@ def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_ma
     Grid point c holds batch sizes c .. next point - 1 (the first from 1, the last up to ``bs_max``). The context
     ranges are the buckets' (the same rows at every c), each reaching up to the next's ctx_lo - 1; two neighbouring
     context ranges merge where every batch range has the same K in both, two neighbouring batch ranges where their K
-    agree in every context range."""
+    agree in every context range. ``no_speculation_from``: the first load where speculating was measured no faster
+    (tune's load check): K = 0 in every context range from it on."""
     cs = sorted(t_by_c)
     if not cs or cs[0] < 1 or cs[-1] > bs_max:
         raise ValueError(f"concurrency grid {cs} must lie in 1..{bs_max}")
@@ -157,7 +159,8 @@ def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_ma
         raise ValueError("the tables at each c must bucket the same rows alike")
     ctx = [[1 if j == 0 else bk.ctx_lo, ctx_max if j == len(buckets) - 1 else buckets[j + 1].ctx_lo - 1]
            for j, bk in enumerate(buckets)]
-    ks = [[int(b) - 1 for b in t_by_c[c].chosen] for c in cs]  # [c][bucket]
+    ks = [[0 if no_speculation_from is not None and c >= no_speculation_from else int(b) - 1
+           for b in t_by_c[c].chosen] for c in cs]  # [c][bucket]
     j = 1
     while j < len(ctx):  # merge context ranges that no batch range tells apart
         if all(row[j] == row[j - 1] for row in ks):

@@ -69,6 +69,13 @@ class Deploy:
     step_rule: Optional[Dict[str, Any]]  # tune/step_rule.json, or None without a tune stage
     schedule: Optional[Dict[int, int]] = None  # b*(c), the train-chosen b at each concurrency (policy.json)
     context: Optional[Dict[int, Any]] = None  # c -> the train split's ContextTable (tau and best b by prompt length)
+    load_check: Optional[Dict[str, Any]] = None  # tune/load_check.json where it shaped ``schedule``, else None
+
+    @property
+    def no_speculation_from(self) -> Optional[int]:
+        """The first load where the load check measured b*(c) no faster than AR (K = 0 from it on), or None."""
+        dropped = [int(c) for c, v in ((self.load_check or {}).get("loads") or {}).items() if not v["kept"]]
+        return min(dropped) if dropped else None
 
     @property
     def rule(self) -> Optional[str]:
@@ -142,8 +149,14 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     info = json.loads(meta.read_text())
     cfg = OmegaConf.create((run.train / CONFIG).read_text())
     train_b = train_chosen_block_size(info)
-    sched = None
+    sched, check = None, None
     if cost_profile is None:
+        if info.get("schedule"):
+            from pipeline.evaluation.load_check import check_for, checked_schedule
+
+            model = {int(c): int(x) for c, x in info["schedule"].items()}
+            check = check_for(run.load_check, model)  # the measured K = 0 loads, where tune checked
+            sched = model if check is None else checked_schedule(model, check["loads"])
         b = train_b
         chosen_on = ("the label set's train split, by modelled time per token under the labelling machine's cost "
                      f"profile ({run.policy / COST_PROFILE})" if "cost_profile" in info else
@@ -164,8 +177,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
-        schedule=sched if cost_profile is not None else
-        {int(c): int(x) for c, x in info["schedule"].items()} if info.get("schedule") else None,
+        schedule=sched, load_check=check,
         context=context_tables(run, cfg.train, info, None if cost_profile is None else serving))
 
 
@@ -236,13 +248,21 @@ def load_lines(d: Deploy) -> List[str]:
     table = ", ".join(f"c={c}: {'no speculation' if b == 1 else f'b={b}'}" for c, b in sorted(d.schedule.items()))
     lines = [f"Train-chosen b by concurrency, no speculation (b = 1) among the options (modelled time per token on "
              f"the label set's train split under the profile's batched seconds per step): {table}."]
-    ar = sorted(c for c, b in d.schedule.items() if b == 1)
+    measured = d.no_speculation_from
+    for c, v in sorted(((d.load_check or {}).get("loads") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"Measured at c={c} (tune's load check, {v['prompts']} val label prompts, {v['repeats']} "
+                     f"repeats in lockstep): b={v['b']} {v['why']}: "
+                     + ("kept." if v["kept"] else f"K = 0 from c = {c} on, where the model had speculated."))
+    ar = sorted(c for c, b in d.schedule.items() if b == 1 and (measured is None or c < measured))
     cross = crossover(d.schedule)
     if ar:
         lines.append(f"K = 0 at c in {ar}: there a verify of b tokens costs more per step than the tokens it accepts "
                      "save, so plain decoding is modelled fastest" + (f"; from c = {cross} on no speculation wins at "
                                                                       "every larger load of the grid" if cross else "")
                      + ".")
+    if d.load_check is None and d.schedule and max(d.schedule.values()) > 1:
+        lines.append("Not measured: the schedule is the cost model's alone (no tune/load_check.json, or a serving "
+                     "machine's profile: time b*(c) against no speculation there before trusting a close call).")
     spec = vllm_schedule_config(d)
     remote = " --trust-remote-code" if d.trust_remote_code else ""
     if spec is None:
@@ -274,7 +294,7 @@ def context_lines(d: Deploy) -> List[str]:
     lines += [f"- c={c}: best b {'varies' if t.varies else 'does not vary'} with prompt length ({t.why})."
               for c, t in sorted(d.context.items()) if c != first]
     if any(t.varies for t in d.context.values()):
-        entries = context_ranges(d.context)
+        entries = context_ranges(d.context, no_speculation_from=d.no_speculation_from)
         lines += ["", "Where it varies, the 5-item form `[bs_lo, bs_hi, ctx_lo, ctx_hi, K]` of vLLM's OPEN PR #48944 "
                   "(not a merged key: a vLLM with that PR only; ctx is the request's context length, buckets here are "
                   f"prompt lengths): `{json.dumps(entries)}`"]

@@ -34,7 +34,7 @@ LOAD_CARD = """
 
 Every evaluation prompt served c at a time by the batched engine (continuous batching), one row per c x method x
 timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `AR`, `b*(c)`, the
-train-chosen b at c (AR where b*(c) = 1), and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
+train-chosen b at c as tune's load check left it (`tune/load_check.json`; AR where b*(c) = 1), and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
 the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
 says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device), and
 each c its `engines_at_once` (how many methods' engines ran in lockstep: all of them unless their slot caches exceed

@@ -32,6 +32,7 @@ POLICY_META = "policy.json"  # pipeline.policy.blocksize.BlockSizePolicy: metada
 POLICY_WEIGHTS = "model.safetensors"
 POLICY_FILES = (POLICY_META, POLICY_WEIGHTS)
 STEP_RULE = "step_rule.json"  # tune's choice of per-step verify rule
+LOAD_CHECK = "load_check.json"  # tune's measured check of b*(c) against no speculation (pipeline.evaluation.load_check)
 VERIFY_MODEL = "verify_model.json"  # tune's learned verify rule (pipeline.policy.step_rules.LearnedVerify), beside it
 METRICS = "metrics.jsonl"  # train's per-epoch metrics
 CURVES = "curves.png"  # train's loss and val curves
@@ -70,6 +71,10 @@ class RunLayout:
     @property
     def step_rule(self) -> Path:
         return self.root / TUNE / STEP_RULE
+
+    @property
+    def load_check(self) -> Path:
+        return self.root / TUNE / LOAD_CHECK
 
     @property
     def verify_model(self) -> Path:

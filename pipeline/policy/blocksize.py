@@ -207,18 +207,20 @@ class BlockSizePolicy:
             s = s + torch.tensor([float("-inf") if v is None else v for v in shift], dtype=s.dtype, device=s.device)
         return s
 
-    def at_load(self, c: int) -> "BlockSizePolicy":
+    def at_load(self, c: int, fallback: Optional[int] = None) -> "BlockSizePolicy":
         """The policy at c streams decoding together (policy.json's ``load``, from a version-3 cost profile): the
         same model, each block size's score shifted by log(cost(b, 1) / cost(b, c)) (its speed target is log tau -
         log cost and at T = 0 tau does not depend on load, so the head at c is the head at 1 plus a constant per
         action), the fallback the train-chosen b at c (b = 1 included: then :attr:`answers_ar`), the same margin (a log speed ratio, the predictions' noise is
         the c = 1 head's). Rule actions are left out: a rule's seconds at c are not one constant per action (tune's
-        rule at c covers per-step verify there). Itself at c = 1 or without a load part."""
+        rule at c covers per-step verify there). Itself at c = 1 or without a load part. ``fallback``: b*(c) as a
+        measurement left it instead of the model's (tune's load check: 1 where speculating was not measured
+        faster)."""
         load = (self.info.get("load") or {}).get(str(int(c)))
         if int(c) == 1 or load is None:
             return self
-        info = {**self.info, "fallback_block_size": load["block_size"], "score_shift": load["score_shift"],
-                "at_concurrency": int(c)}
+        b = load["block_size"] if fallback is None else int(fallback)
+        info = {**self.info, "fallback_block_size": b, "score_shift": load["score_shift"], "at_concurrency": int(c)}
         return BlockSizePolicy(self.model, self.candidates, self.vocab_size, self.input_transform, info)
 
     @property

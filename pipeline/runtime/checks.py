@@ -98,6 +98,9 @@ def validate(cfg) -> None:
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
     _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
     _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
+    _check(cfg.tune.load_prompts >= 0, "tune.load_prompts", "must be >= 0 (0: no load check)")
+    _check(cfg.tune.load_repeats >= 2, "tune.load_repeats", "must be >= 2 (the check decides on a paired interval)")
+    _check(-1 < cfg.tune.load_min_gain, "tune.load_min_gain", "must be > -1 (a gain; 0: measured faster than AR)")
     from pipeline.policy.step_rules import LEARNED, parse_rule
 
     _check(cfg.train.model != "ridge" or cfg.train.objective == "speed", "train.model",

@@ -279,6 +279,13 @@ class TuneConfig:
     limit: int = 4
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
+    # The load check (pipeline/evaluation/load_check.py): at each c > 1 of evaluate.concurrency where b*(c) > 1, b*(c)
+    # is timed against AR in lockstep on the first `load_prompts` val prompts (0: no check), `load_repeats` times;
+    # it is kept only when the lower end of its paired 95 % interval over the full steps is above `load_min_gain`,
+    # else that load and every larger one get b = 1 (K = 0).
+    load_prompts: int = 64
+    load_repeats: int = 3
+    load_min_gain: float = 0.0
 
 
 @dataclass

@@ -683,3 +683,58 @@ def test_each_stage_ends_with_its_done_line_and_a_short_summary(run_dir):
     closing = {st: msg for st, msg in lines if msg.startswith("done: ")}
     assert closing["label"].endswith(f"-> {out / 'labels'}")
     assert closing["report"].endswith(f"-> {out / 'report' / 'report.md'}")
+
+
+def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tmp_path, ray_session):
+    """tune's load check: the run's own (tune/load_check.json, for train's schedule, read by evaluate's pass at load),
+    then on a copy whose schedule speculates at c = 4 and 16: a margin every measurement clears keeps b*(4); one no
+    measurement clears (tune.load_min_gain=10) drops both, K = 0 from c = 4 on, and evaluate's schedule, the policy
+    at that load and deploy's vLLM ranges all follow it."""
+    from pipeline.evaluation.deploy import load_deploy, vllm_schedule_config
+    from pipeline.evaluation.load_check import checked_schedule
+    from pipeline.policy.blocksize import BlockSizePolicy
+    from stages.evaluate import EvaluateStage
+    from stages.evaluate_load import schedule_of
+    from stages.load_check import run_check
+    from stages.tune import TuneStage
+
+    out, summaries = run_dir
+    model = {int(c): int(b) for c, b in json.loads((out / "train" / "policy" / "policy.json").read_text())[
+        "schedule"].items()}
+    check = json.loads((out / "tune" / layout.LOAD_CHECK).read_text())
+    assert {int(c): b for c, b in check["model_schedule"].items()} == model
+    assert {int(c): b for c, b in check["schedule"].items()} == checked_schedule(model, check["loads"])
+    assert sorted(check["loads"]) == (["16"] if model[16] > 1 else [])  # evaluate.concurrency [1, 16]
+    for v in check["loads"].values():
+        assert v["repeats"] == 2 and 1 <= v["prompts"] <= 8 and v["why"].startswith(("measured", "no interval"))
+    head = summaries["evaluate"]["load"]["16"]["headline"]["b*(c)"]
+    assert head["baseline"] == ("AR" if check["schedule"]["16"] == 1 else f"b={check['schedule']['16']}")
+
+    # On a copy whose schedule speculates at every load (train's own speculates or not by the short test profile:
+    # {1: 9, 4: 1, 16: 1} on one run, {1: 1, 4: 1, 16: 1} on another), as train writes it where the model says so
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    meta = copy / "train" / "policy" / "policy.json"
+    model = {**model, 1: 8, 4: 6, 16: 5}
+    write_json_atomic({**json.loads(meta.read_text()), "schedule": {str(c): b for c, b in model.items()}}, meta)
+    speculating = [4, 16]
+    cfg = cfg_for(copy, "evaluate.concurrency=[1,4]", "tune.load_min_gain=-0.999")
+    kept = run_check(cfg, TuneStage(cfg))
+    assert list(kept["loads"]) == ["4"] and kept["loads"]["4"]["kept"]  # any measured gain clears -99.9 %
+    assert {int(c): b for c, b in kept["schedule"].items()} == model
+    cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "tune.load_min_gain=10.0")
+    forced = run_check(cfg, TuneStage(cfg))
+    assert sorted(int(c) for c in forced["loads"]) == speculating
+    assert all(not v["kept"] and "not above +1000.00%" in v["why"] for v in forced["loads"].values())
+    first = speculating[0]
+    sched = {int(c): b for c, b in forced["schedule"].items()}
+    assert sched == {c: (1 if c >= first else b) for c, b in model.items()}
+    assert run_check(cfg, TuneStage(cfg)) == forced  # the same settings again: kept, not measured again
+    ev = EvaluateStage(cfg)
+    assert schedule_of(ev, ev.policy_info) == sched
+    policy = BlockSizePolicy.from_pretrained(copy / "train" / "policy")
+    assert policy.at_load(first, fallback=sched[first]).answers_ar
+    d = load_deploy(copy)
+    assert d.schedule == sched and d.no_speculation_from == first
+    ranges = vllm_schedule_config(d)["num_speculative_tokens_per_batch_size"]
+    assert ranges[-1] == [first, 1024, 0] and ranges[0][0] == 1

@@ -174,18 +174,20 @@ LOAD = {"4": {"fit": {"draft": {"intercept": 0.0, "slope": 0.0}, "verify": {"int
                "seconds": {"1": 2.0, "6": 10.0, "8": 10.0, "10": 10.0}}}
 
 
+def _run_at_load(tmp_path):
+    """A run folder whose labelling profile has the load grid LOAD (c = 4, 16)."""
+    torch.manual_seed(0)
+    profile = CostProfile(dict(LABELLING))
+    profile.meta.update(concurrency=[1, 4, 16], load=LOAD)
+    profile.version = 3
+    return _run_folder(tmp_path / "run", profile=profile)
+
+
 def test_deploy_prints_vllms_batch_size_schedule_in_its_documented_form(tmp_path):
     """vLLM's dynamic_speculative_decoding.md: `num_speculative_tokens_per_batch_size` is a list of [start_bs,
     end_bs, optimal_K], every K <= num_speculative_tokens (the maximum window). The schedule's b at each grid c is
     the train split's fastest b under that c's seconds, computed here from the shards."""
-    torch.manual_seed(0)
-    root = tmp_path / "run"
-    run = _run_folder(root)
-    profile = CostProfile.load(run.labels / COST_PROFILE)
-    profile.meta.update(concurrency=[1, 4, 16], load=LOAD)
-    profile.version = 3
-    profile.save(run.labels / COST_PROFILE)
-    run = _run_folder(tmp_path / "again", profile=profile)
+    run = _run_at_load(tmp_path)
     d = deploy.load_deploy(run.root)
     loads = {4: {6: 4.0, 8: 5.0, 10: 6.0}, 16: {6: 10.0, 8: 10.0, 10: 10.0}}
     expected = {1: _fastest_on_train(run, LABELLING), **{c: _fastest_on_train(run, s) for c, s in loads.items()}}
@@ -239,3 +241,30 @@ def test_a_schedule_that_keeps_one_b_merges_its_ranges():
 
     assert vllm_ranges({1: 8, 4: 8, 16: 6, 64: 6}) == [[1, 15, 7], [16, 1024, 5]]
     assert vllm_ranges({1: 5}, top=256) == [[1, 256, 4]]
+
+
+def test_a_load_where_the_check_measured_no_gain_gets_k0_and_says_why(tmp_path):
+    """tune's load check (tune/load_check.json, its format written here as tune writes it) measured b*(16) = 10 no
+    faster than AR: deploy's schedule, vLLM's ranges, the words and the policy at c = 16 all follow it; a check made
+    for another schedule is ignored, and without one deploy says the schedule is the model's alone."""
+    run = _run_at_load(tmp_path)
+    d = deploy.load_deploy(run.root)
+    assert d.schedule == {1: 6, 4: 8, 16: 10} and d.load_check is None
+    assert "Not measured: the schedule is the cost model's alone" in deploy.render(d)
+    why = "measured -3.10% [-9.00%, +2.80%] against AR over full steps: lower bound not above +0.00%"
+    check = {"model_schedule": {"1": 6, "4": 8, "16": 10}, "min_gain": 0.0,
+             "loads": {"16": {"b": 10, "kept": False, "why": why, "prompts": 64, "repeats": 3}}}
+    write_json_atomic(check, run.load_check)
+    d = deploy.load_deploy(run.root)
+    assert d.schedule == {1: 6, 4: 8, 16: 1} and d.no_speculation_from == 16
+    spec = deploy.vllm_schedule_config(d)
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 5], [4, 15, 7], [16, 1024, 0]]
+    text = deploy.render(d)
+    assert f"Measured at c=16 (tune's load check, 64 val label prompts, 3 repeats in lockstep): b=10 {why}: K = 0 " \
+           "from c = 16 on" in text
+    assert "K = 0 at c in [16]: there a verify" not in text  # measured, not modelled: said once, as measured
+    assert "Not measured" not in text
+    policy = BlockSizePolicy.from_pretrained(run.policy)
+    assert policy.at_load(16, fallback=d.schedule[16]).answers_ar and not policy.at_load(16).answers_ar
+    write_json_atomic({**check, "model_schedule": {"1": 6, "4": 8, "16": 8}}, run.load_check)  # another policy's
+    assert deploy.load_deploy(run.root).schedule == {1: 6, 4: 8, 16: 10}

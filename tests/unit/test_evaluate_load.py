@@ -4,9 +4,8 @@
 import math
 
 import pytest
-import torch
 
-from pipeline.decoding.batched import BatchedEngine, fixed
+from pipeline.decoding.batched import fixed
 from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary, paired_ratio, render_load
 
 
@@ -21,17 +20,6 @@ def test_the_paired_interval_against_a_hand_computed_case():
     assert got["ci95"] == pytest.approx([math.exp(mean - half) - 1, math.exp(mean + half) - 1], rel=1e-6)
     assert paired_ratio([2.0, 4.0], [1.0, 2.0])["ci95"] == pytest.approx([1.0, 1.0])  # no spread: a point
     assert paired_ratio([3.0, 3.0], [3.0, 3.0]) == {"gain": 0.0, "ci95": [0.0, 0.0], "repeats": 2, "identical": True}
-
-
-@pytest.fixture(scope="module")
-def batched():
-    from pipeline.decoding.engine import Engine
-    from pipeline.decoding.models import load_models
-    from pipeline.runtime.config import load_config
-
-    torch.set_num_threads(1)
-    m = load_models(load_config(["model.device=cpu", "model.dtype=float32"]).model)
-    return m, BatchedEngine(Engine(m.target, m.draft, m.stop_token_ids))
 
 
 def test_methods_serve_the_same_tokens_and_equal_choices_share_a_decode(batched):

@@ -1,0 +1,95 @@
+"""tune's load check (pipeline.evaluation.load_check): b*(c) against no speculation, timed on the label set's val
+prompts at each evaluated load where b*(c) speculates, in one task with a worker's resources (stages.device_task).
+
+Runs in tune's finalize, after its shards and choice (their actors gone); writes ``tune/load_check.json``, which
+evaluate and deploy read. A finalize run again with the same policy, cost profile, prompts and settings keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from pipeline.io.shards import file_sha256, list_shards, write_text_atomic
+from pipeline.io.storage import read_table
+from pipeline.runtime.log import get as log
+
+
+def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
+    t = cfg.tune
+    return {"policy": file_sha256(stage.policy_dir / "policy.json"),
+            "cost_profile": file_sha256(stage.policy_dir / "cost_profile.json"),
+            "prompts": file_sha256(stage.prompts / "manifest.json"),
+            "model_schedule": {str(c): b for c, b in model.items()},  # JSON keys: as read back
+            "concurrency": [int(c) for c in cfg.evaluate.concurrency], "load_prompts": t.load_prompts,
+            "load_repeats": t.load_repeats, "load_min_gain": t.load_min_gain,
+            "val_fraction": cfg.train.val_fraction, "calibration_fraction": cfg.train.calibration_fraction,
+            "decode": vars(cfg.decode), "model": vars(cfg.model)}
+
+
+def run_check(cfg, stage) -> Dict[str, Any]:
+    """tune/load_check.json's content (kept from an earlier run when its fingerprint matches); {} when the policy
+    has no schedule by load or the check is off (tune.load_prompts 0)."""
+    from pipeline.evaluation.load_check import checked_schedule, loads_to_check
+
+    info = stage.policy_info
+    if not info.get("schedule") or cfg.tune.load_prompts == 0:
+        return {}
+    model = {int(c): int(b) for c, b in info["schedule"].items()}
+    out, fp = stage.layout.load_check, _fingerprint(cfg, stage, model)
+    if out.is_file():
+        done = json.loads(out.read_text())
+        if done.get("fingerprint") == fp:
+            return done
+    loads = loads_to_check(model, cfg.evaluate.concurrency)
+    check: Dict[str, Any] = {"fingerprint": fp, "model_schedule": model, "min_gain": cfg.tune.load_min_gain}
+    if loads:
+        from .device_task import on_a_worker
+
+        prompts = val_prompts(cfg, stage)
+        check["loads"], check["where"] = on_a_worker(stage, _measure, cfg, stage, prompts, model, loads,
+                                                     what="load check")
+    else:
+        check.update(loads={}, skipped="b*(c) = 1 at every evaluated load (evaluate.concurrency)")
+    check["schedule"] = checked_schedule(model, check["loads"])
+    text = json.dumps(check, indent=1) + "\n"
+    write_text_atomic(text, out)
+    return json.loads(text)  # as a reader, or a rerun that keeps it, gets it back: string keys
+
+
+def val_prompts(cfg, stage) -> List[List[int]]:
+    """The first tune.load_prompts prompts of the label set's val split, in the prompt shards' order."""
+    from pipeline.policy.blocksize import split_of
+
+    t, got = cfg.train, []
+    for shard in list_shards(stage.prompts):
+        for r in read_table(shard, columns=["prompt_id", "input_ids"]).to_pylist():
+            if split_of(r["prompt_id"], t.val_fraction, t.calibration_fraction) == "val":
+                got.append(r["input_ids"])
+        if len(got) >= cfg.tune.load_prompts:
+            break
+    return got[:cfg.tune.load_prompts]
+
+
+def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads: List[int]):
+    from pipeline.evaluation.load_check import check_at
+    from pipeline.policy.cost import CostProfile
+    from pipeline.policy.load_cost import LoadCost
+
+    from .device_task import batched_engine, where
+    from .memory_checks import engines_at_once
+
+    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
+    out = {}
+    with batched_engine(cfg) as (models, batched):
+        for c in loads:
+            b = model[c]
+            at_once = engines_at_once(cfg, models, prompts, c, 2, b)
+            log("tune").info(f"load check c={c}: b={b} against AR on {len(prompts)} val label prompts, "
+                             f"{cfg.tune.load_repeats} repeats in lockstep")
+            got = check_at(batched, prompts, c, b, cfg.tune.load_repeats, cfg.decode.max_new_tokens, load_cost,
+                           cfg.decode.seed, max_engines=at_once, min_gain=cfg.tune.load_min_gain,
+                           log=log("tune").debug)
+            got.pop("rows")
+            out[str(c)] = got
+        return out, where(models.device)

@@ -246,8 +246,9 @@ def load_lines(d: Deploy) -> List[str]:
         return ["No schedule by concurrency: the cost profile has no load grid (profile.concurrency, cost profile "
                 "version 3)."]
     table = ", ".join(f"c={c}: {'no speculation' if b == 1 else f'b={b}'}" for c, b in sorted(d.schedule.items()))
+    checked = " as tune's load check left it (below)" if d.load_check and d.load_check.get("loads") else ""
     lines = [f"Train-chosen b by concurrency, no speculation (b = 1) among the options (modelled time per token on "
-             f"the label set's train split under the profile's batched seconds per step): {table}."]
+             f"the label set's train split under the profile's batched seconds per step){checked}: {table}."]
     measured = d.no_speculation_from
     for c, v in sorted(((d.load_check or {}).get("loads") or {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"Measured at c={c} (tune's load check, {v['prompts']} val label prompts, {v['repeats']} "

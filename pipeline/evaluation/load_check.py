@@ -33,7 +33,7 @@ read the schedule it leaves (`schedule`).
 | `where` | the device and Ray node of the one task that timed it |
 | `model_schedule` | `{c: b}`: b*(c) as train chose it by the cost model |
 | `schedule` | `{c: b}`: what the check leaves: b*(c), or 1 at a load not kept and every larger one |
-| `loads` | `{c: {b, kept, why, full_steps, whole_run, prompts, repeats}}` per checked c: `full_steps` and `whole_run` the measured gain of b over AR (`gain`, paired 95 % `ci95` over the repeats) over the steps with all c rows running and over the whole run; `kept` whether `full_steps.ci95[0]` > `min_gain` |
+| `loads` | `{c: {b, kept, why, full_steps, whole_run, per_repeat, prompts, repeats}}` per checked c: `full_steps` and `whole_run` the measured gain of b over AR (`gain`, paired 95 % `ci95` over the repeats) over the steps with all c rows running and over the whole run; `per_repeat` `{AR, b=N: {throughput, full_throughput}}` tokens per second in each repeat; `kept` whether `full_steps.ci95[0]` > `min_gain` |
 | `min_gain` | `tune.load_min_gain` |
 """
 
@@ -52,8 +52,9 @@ def check_at(batched, prompts: List[List[int]], c: int, b: int, repeats: int, ma
     if all(r["full_throughput"] for r in by[spec] + by["AR"]):
         full = paired_ratio([r["full_throughput"] for r in by[spec]], [r["full_throughput"] for r in by["AR"]])
     kept, why = decide(full, whole, min_gain, c, len(prompts))
+    per_repeat = {m: {k: [r[k] for r in by[m]] for k in ("throughput", "full_throughput")} for m in by}
     return {"b": int(b), "kept": kept, "why": why, "full_steps": full, "whole_run": whole,
-            "prompts": len(prompts), "repeats": int(repeats), "rows": rows}
+            "prompts": len(prompts), "repeats": int(repeats), "per_repeat": per_repeat, "rows": rows}
 
 
 def decide(full: Optional[Dict[str, Any]], whole: Dict[str, Any], min_gain: float, c: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pyarrow as pa
 
@@ -168,15 +168,15 @@ class TuneStage(DecodingStage):
         s = self.searched
         decoded = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
         choice = {**s["choice"], "confirmed": confirm(decoded, s["rows"], self.baseline)}
-        choice["load"] = self.at_load()
+        # b*(c) against no speculation, measured at the evaluated loads (the shards' actors are gone: the task gets
+        # a worker's resources); the rules at load are then searched against the schedule it leaves
+        check = run_check(self.cfg, self)
+        choice["load"] = self.at_load(check.get("schedule"))
         write_parquet_atomic(pa.Table.from_pylist(s["rows"], schema=TUNE_SCHEMA), self.folder / SIMULATED)
         if s["learned"] is not None:
             write_json_atomic(s["learned"].to_dict(), self.folder / VERIFY_MODEL)
         write_json_atomic(choice, self.folder / STEP_RULE)
         fam = choice["families"]
-        # b*(c) against no speculation, measured at the evaluated loads (the shards' actors are gone: the task gets
-        # a worker's resources): evaluate and deploy run the schedule it leaves
-        check = run_check(self.cfg, self)
         return {"step_rule": choice["rule"], "max_block_size": choice["max_block_size"],
                 "gain_vs_baseline": choice["gain"], "baseline_b": self.baseline, "prompts": choice["prompts"],
                 "oracle_gain": choice["per_step_oracle"]["gain"],
@@ -189,14 +189,17 @@ class TuneStage(DecodingStage):
                                    "loads": {c: {k: v[k] for k in ("b", "kept", "why", "prompts", "repeats")}
                                              for c, v in check["loads"].items()}}} if check else {})}
 
-    def at_load(self) -> Dict[str, Any]:
-        """The rule at each c > 1 of train's schedule (a version-3 cost profile), simulated on the same val rows."""
+    def at_load(self, checked: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        """The rule at each c > 1 of train's schedule (a version-3 cost profile) as the load check left it
+        (``checked``), simulated on the same val rows; none where b*(c) = 1: no speculation there, no rule either
+        (evaluate runs none)."""
         from pipeline.evaluation.rule_search import search_at_load
         from pipeline.policy.load_cost import LoadCost
 
-        sched = {int(c): int(b) for c, b in (self.policy_info.get("schedule") or {}).items()}
+        sched = {int(c): int(b) for c, b in (checked or self.policy_info.get("schedule") or {}).items()}
         if len(sched) < 2:
             return {}
+        sched = {c: b for c, b in sched.items() if c == 1 or b > 1}
         t = self.cfg.train
         rows = read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction)
         return search_at_load(rows, self.cfg.tune.rules, LoadCost.from_profile(self.profile), sched,

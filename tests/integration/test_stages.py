@@ -707,6 +707,10 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     assert sorted(check["loads"]) == (["16"] if model[16] > 1 else [])  # evaluate.concurrency [1, 16]
     for v in check["loads"].values():
         assert v["repeats"] == 2 and 1 <= v["prompts"] <= 8 and v["why"].startswith(("measured", "no interval"))
+    # tune's rules at load are searched only where the checked schedule speculates (evaluate runs none elsewhere)
+    rules_at = json.loads((out / "tune" / layout.STEP_RULE).read_text())["load"]
+    assert sorted(rules_at, key=int) == [c for c, b in sorted(check["schedule"].items(), key=lambda kv: int(kv[0]))
+                                         if int(c) > 1 and b > 1]
     head = summaries["evaluate"]["load"]["16"]["headline"]["b*(c)"]
     assert head["baseline"] == ("AR" if check["schedule"]["16"] == 1 else f"b={check['schedule']['16']}")
 

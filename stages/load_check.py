@@ -42,15 +42,17 @@ def run_check(cfg, stage) -> Dict[str, Any]:
         if done.get("fingerprint") == fp:
             return done
     loads = loads_to_check(model, cfg.evaluate.concurrency)
+    prompts = val_prompts(cfg, stage) if loads else []
     check: Dict[str, Any] = {"fingerprint": fp, "model_schedule": model, "min_gain": cfg.tune.load_min_gain}
-    if loads:
+    if not loads:
+        check.update(loads={}, skipped="b*(c) = 1 at every evaluated load (evaluate.concurrency)")
+    elif not prompts:  # nothing to time on: the model's schedule stands, said as not measured
+        check.update(loads={}, skipped="the label set has no val prompt (train.val_fraction)")
+    else:
         from .device_task import on_a_worker
 
-        prompts = val_prompts(cfg, stage)
         check["loads"], check["where"] = on_a_worker(stage, _measure, cfg, stage, prompts, model, loads,
                                                      what="load check")
-    else:
-        check.update(loads={}, skipped="b*(c) = 1 at every evaluated load (evaluate.concurrency)")
     check["schedule"] = checked_schedule(model, check["loads"])
     text = json.dumps(check, indent=1) + "\n"
     write_text_atomic(text, out)

@@ -261,9 +261,11 @@ def load_lines(d: Deploy) -> List[str]:
                      "save, so plain decoding is modelled fastest" + (f"; from c = {cross} on no speculation wins at "
                                                                       "every larger load of the grid" if cross else "")
                      + ".")
-    if d.load_check is None and d.schedule and max(d.schedule.values()) > 1:
-        lines.append("Not measured: the schedule is the cost model's alone (no tune/load_check.json, or a serving "
-                     "machine's profile: time b*(c) against no speculation there before trusting a close call).")
+    if not (d.load_check or {}).get("loads") and d.schedule and max(d.schedule.values()) > 1:
+        why = (d.load_check or {}).get("skipped")
+        lines.append("Not measured: the schedule is the cost model's alone ("
+                     + (f"tune's load check: {why}" if why else "no tune/load_check.json, or a serving machine's "
+                        "profile") + "; time b*(c) against no speculation there before trusting a close call).")
     spec = vllm_schedule_config(d)
     remote = " --trust-remote-code" if d.trust_remote_code else ""
     if spec is None:

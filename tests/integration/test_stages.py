@@ -690,7 +690,7 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     then on a copy whose schedule speculates at c = 4 and 16: a margin every measurement clears keeps b*(4); one no
     measurement clears (tune.load_min_gain=10) drops both, K = 0 from c = 4 on, and evaluate's schedule, the policy
     at that load and deploy's vLLM ranges all follow it."""
-    from pipeline.evaluation.deploy import load_deploy, vllm_schedule_config
+    from pipeline.evaluation.deploy import load_deploy, render, vllm_schedule_config
     from pipeline.evaluation.load_check import checked_schedule
     from pipeline.policy.blocksize import BlockSizePolicy
     from stages.evaluate import EvaluateStage
@@ -742,3 +742,10 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     assert d.schedule == sched and d.no_speculation_from == first
     ranges = vllm_schedule_config(d)["num_speculative_tokens_per_batch_size"]
     assert ranges[-1] == [first, 1024, 0] and ranges[0][0] == 1
+    # no val prompt to time on (train.val_fraction=0): nothing measured, the model's schedule, and deploy says why
+    cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "train.val_fraction=0")
+    none = run_check(cfg, TuneStage(cfg))
+    assert none["loads"] == {} and {int(c): b for c, b in none["schedule"].items()} == model
+    text = render(load_deploy(copy))
+    assert "Not measured: the schedule is the cost model's alone (tune's load check: the label set has no val " \
+           "prompt (train.val_fraction)" in text

@@ -33,18 +33,27 @@ Main keys: output_dir (run folder), force (write into a folder made with another
 `blockpilot STAGE --help` shows the stage's own keys and their current values."""
 
 
-def _stage_help(name: str) -> str:
+def _default_node():
+    """The packaged default config as one OmegaConf node, or the error that stops it loading. Built once per parser:
+    every stage's help shows its sections of it (one load per stage made every command ~9x slower to start)."""
+    try:
+        cfg = load_config()
+    except ConfigError as err:  # help must still print with a broken conf/default.yaml
+        return err
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(cfg)
+
+
+def _stage_help(name: str, node) -> str:
     from stages import STAGES
 
     info = STAGES[name]
     text = f"{info.summary}\n"
-    try:
-        cfg = load_config()
-    except ConfigError as err:  # help must still print with a broken conf/default.yaml
-        return text + f"\n(default config does not load: {err})"
+    if isinstance(node, ConfigError):
+        return text + f"\n(default config does not load: {node})"
     from omegaconf import OmegaConf
 
-    node = OmegaConf.structured(cfg)
     shown = {k: OmegaConf.to_container(node[k]) if OmegaConf.is_config(node[k]) else node[k]
              for k in ("output_dir", "force", "progress", *info.sections)}
     return text + ("\nkeys it reads (defaults from conf/default.yaml; override with key=value):\n"
@@ -60,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="stage", metavar="STAGE")
     sub.required = True
+    defaults = _default_node()
     for name, info in STAGES.items():
-        p = sub.add_parser(name, help=info.summary, description=_stage_help(name),
+        p = sub.add_parser(name, help=info.summary, description=_stage_help(name, defaults),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("-c", "--config", metavar="FILE|published:NAME",
                        help="a YAML file, or published:NAME (a packaged published config, e.g. published:qwen3-8b), "

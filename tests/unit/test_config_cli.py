@@ -1,8 +1,5 @@
 """Config schema and CLI: merge order, fail-fast errors naming the key, resolved config written per stage."""
 
-import subprocess
-import sys
-
 import pytest
 
 from stages.cli import main
@@ -58,13 +55,19 @@ def test_cli_fails_fast_naming_the_key(capsys):
     assert "no_such_key" in capsys.readouterr().err
 
 
-def test_cli_help_lists_every_stage():
-    out = subprocess.run([sys.executable, "-m", "stages.cli", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+def help_text(capsys, *argv: str) -> str:
+    """``blockpilot ARGV --help``'s output, in-process (argparse prints it and exits 0)."""
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_cli_help_lists_every_stage(capsys):
+    out = help_text(capsys)
     for stage in ("prepare", "label", "train", "evaluate", "report", "run", "validate"):
         assert f"    {stage}" in out
-    stage_help = subprocess.run([sys.executable, "-m", "stages.cli", "label", "--help"], capture_output=True,
-                                text=True, check=True).stdout
+    stage_help = help_text(capsys, "label")
     assert "max_new_tokens: 128" in stage_help and "mode: auto" in stage_help
 
 
@@ -86,7 +89,7 @@ def _sections_read(module: str, seen=None) -> set:
 
 
 @pytest.mark.parametrize("stage", ["prepare", "label", "train", "evaluate", "report"])
-def test_stage_help_lists_every_key_the_stage_reads(stage):
+def test_stage_help_lists_every_key_the_stage_reads(stage, capsys):
     from omegaconf import OmegaConf
 
     from pipeline.runtime.config import PipelineConfig
@@ -95,28 +98,35 @@ def test_stage_help_lists_every_key_the_stage_reads(stage):
     sections = {k for k, v in OmegaConf.structured(PipelineConfig).items() if OmegaConf.is_dict(v)}
     read = _sections_read(stage) & sections
     assert read <= set(STAGES[stage].sections), f"{stage} reads {sorted(read - set(STAGES[stage].sections))}"
-    help_text = subprocess.run([sys.executable, "-m", "stages.cli", stage, "--help"], capture_output=True,
-                               text=True, check=True, cwd=REPO_ROOT).stdout
+    shown = help_text(capsys, stage)
     for section in read:
         for key in OmegaConf.structured(PipelineConfig)[section]:
-            assert f"  {key}:" in help_text, (stage, section, key)
-    assert "output_dir:" in help_text and "force:" in help_text
+            assert f"  {key}:" in shown, (stage, section, key)
+    assert "output_dir:" in shown and "force:" in shown
 
 
-def test_evaluate_help_lists_the_prepare_keys_its_prompts_depend_on():
-    out = subprocess.run([sys.executable, "-m", "stages.cli", "evaluate", "--help"], capture_output=True,
-                         text=True, check=True, cwd=REPO_ROOT).stdout
+def test_evaluate_help_lists_the_prepare_keys_its_prompts_depend_on(capsys):
+    out = help_text(capsys, "evaluate")
     for key in ("max_prompt_tokens:", "apply_chat_template:", "shard_size:", "num_workers:", "cpus_per_worker:"):
         assert key in out, key
 
 
 @pytest.mark.parametrize("stage", ["prepare", "label", "profile", "tune", "evaluate", "preflight", "run"])
 @pytest.mark.parametrize("key", ["model.draft", "model.target"])
-def test_a_model_that_is_not_there_fails_in_one_line_naming_its_key(stage, key, tmp_path):
-    """Before anything else (no Ray, no folder, not even the check that earlier stages are complete)."""
-    r = subprocess.run([sys.executable, "-m", "stages.cli", stage, f"output_dir={tmp_path / 'run'}",
-                        f"{key}=/nonexistent/model"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert r.stderr.splitlines() == [f"blockpilot {stage}: error: {key}: '/nonexistent/model' is neither a local "
-                                     "folder nor a hub id (a hub id is 'owner/name')"], r.stderr
-    assert not (tmp_path / "run").exists()
+def test_a_model_that_is_not_there_fails_in_one_line_naming_its_key(stage, key, tmp_path, capsys, monkeypatch):
+    """Before anything else (no Ray, no folder, not even the check that earlier stages are complete): in-process,
+    with the stage's own entry point replaced by one that records being called."""
+    import dataclasses
+
+    import stages
+
+    called = []
+    info = stages.STAGES[stage]
+    monkeypatch.setitem(stages.STAGES, stage, dataclasses.replace(info, module="stages.cli"))
+    monkeypatch.setattr("stages.cli.run", lambda cfg: called.append(cfg), raising=False)
+    rc = main([stage, f"output_dir={tmp_path / 'run'}", f"{key}=/nonexistent/model"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.splitlines() == [f"blockpilot {stage}: error: {key}: '/nonexistent/model' is neither a local "
+                                "folder nor a hub id (a hub id is 'owner/name')"], err
+    assert called == [] and not (tmp_path / "run").exists()

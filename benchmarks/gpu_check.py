@@ -79,9 +79,10 @@ def _random_8b_pair(device: str, dtype: torch.dtype, narrow: bool, seed: int = 0
     torch.manual_seed(seed)
     shape = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128)
-    if narrow:  # CPU smoke run: same vocabulary and head layout ratios, 1/8 of the width
-        shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
-                     head_dim=64)
+    if narrow:  # CPU smoke run: the same vocabulary and head layout ratios at 1/32 of the width (at 1/8, the
+        # V x hidden lm_head of every step took ~2 minutes of a CPU check that only has to run)
+        shape = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=1,
+                     head_dim=32)
     vocab, layers = 151936, 4
     common = dict(vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-6, **shape)
     target = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, tie_word_embeddings=False, eos_token_id=vocab - 2,
@@ -139,7 +140,7 @@ def check_replay(device: str, dtype: torch.dtype, prompts: int, max_new: int, na
     g = torch.Generator().manual_seed(0)
     big_prompts = [torch.randint(0, 151930, (1, 48), generator=g).to(device) for _ in range(max(2, prompts // 4))]
     qwen = _agreement(big, big_prompts, candidate_block_sizes(16, 2), max_new)
-    qwen["shapes"] = "Qwen3-8B widths at 1/8 (CPU smoke run)" if narrow else "Qwen3-8B widths, 4 target layers"
+    qwen["shapes"] = "Qwen3-8B widths at 1/32 (CPU smoke run)" if narrow else "Qwen3-8B widths, 4 target layers"
     return {"tiny_pair": tiny, "random_8b_shapes": qwen,
             "ok": tiny["labels_equal"] == tiny["prompts"] and qwen["labels_equal"] == qwen["prompts"]}
 
@@ -169,7 +170,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.check}-{args.device.replace(':', '')}-{args.dtype}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "failures"}, default=str))
-    return 0
+    if not result["ok"]:
+        print(f"{args.check} check FAILED on {args.device} {args.dtype}: "
+              f"{json.dumps(result.get('failures') or result, default=str)[:2000]}", file=sys.stderr)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -139,6 +139,12 @@ def reap(marker: str, wait: float = 20.0) -> Dict[int, str]:
     return left
 
 
+def ray_sessions(ray_tmp: Path) -> List[str]:
+    """The Ray sessions started under ``ray_tmp`` (the RAY_TMPDIR a run was given): a local Ray writes
+    ``ray/session_<time>_<pid>`` there as it starts, whatever its log level lets it say."""
+    return sorted(p.name for p in (Path(ray_tmp) / "ray").glob("session_2*"))
+
+
 class Run:
     """A subprocess in its own session, its output (stdout and stderr merged) collected line by line."""
 
@@ -154,6 +160,7 @@ class Run:
         self.lines: List[str] = []
         self.escaped: Dict[int, str] = {}
         self.left: Dict[int, str] = {}
+        self.ray_sessions: List[str] = []
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", bufsize=1,
@@ -218,6 +225,7 @@ class Run:
     def reap(self) -> Dict[int, str]:
         """Reap what is left of the run (see :func:`reap`) and delete its own Ray temp dir."""
         left = self.left = reap(self.marker)
+        self.ray_sessions = ray_sessions(self.ray_tmp)
         if self.own_tmp:
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
         return left

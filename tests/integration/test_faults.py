@@ -25,7 +25,8 @@ import pytest
 from conftest import FAST
 from pipeline.io.shards import is_complete, list_shards
 
-from .conftest import BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, marked_pids, reap
+from .conftest import (BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, marked_pids, ray_sessions, reap,
+                       short_tmpdir)
 
 # 16 prompts in 4 shards of 4, 32 new tokens, 0.5 CPU per actor, each run its own local Ray.
 SMALL = [*FAST, "prepare.shard_size=4", "ray.address=local"]
@@ -227,20 +228,22 @@ def test_unwritable_output_folder_fails_fast_and_clearly(stage, prepared, refere
         shutil.copytree(reference / "labels", out / "labels")
     folder = {"prepare": "prompts", "label": "labels", "train": "train"}[stage]
     (out / folder).write_text("a regular file where the stage's folder should be\n")
-    marker = uuid.uuid4().hex
+    marker, ray_tmp = uuid.uuid4().hex, short_tmpdir("bpit-")
     try:
         r = subprocess.run([PYTHON, "-m", "stages.cli", stage, f"output_dir={out}", *SMALL], cwd=REPO,
                            capture_output=True, text=True, timeout=120, start_new_session=True,
-                           env=base_env(marker))
+                           env=base_env(marker, RAY_TMPDIR=str(ray_tmp)))
+        started = ray_sessions(ray_tmp)
     finally:
         left = reap(marker)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     print(f"[fault] {stage} with {folder}/ a regular file: exit {r.returncode}: {r.stderr.strip()}")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "not writable" in r.stderr and str(out / folder) in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    # It failed before any work: no Ray started, no model loaded (transformers reports every load on stderr), and
-    # the file in the folder's place is untouched.
-    assert "Started a local Ray instance" not in r.stdout + r.stderr
+    # It failed before any work: no Ray started (none left a session in its temp dir), and the file in the folder's
+    # place is untouched.
+    assert started == [], started
     assert "Loading weights" not in r.stderr and "Loading checkpoint" not in r.stderr, r.stderr
     assert (out / folder).read_text() == "a regular file where the stage's folder should be\n"
     assert not left

@@ -1,7 +1,9 @@
 """benchmarks/gpu_check.sh's CPU dry run: every step of the script a lent GPU runs (engine exactness, replay
-agreement, the pipeline on the device, the labelling benchmark, the SDPA kernel probe, the 8B-shaped step costs
-eager and compiled) runs here at tiny sizes and its summary reads what the steps wrote, so that the script cannot
-rot between GPU sessions (its summary block once did, unnoticed). The figures mean nothing on CPU."""
+agreement, the pipeline on the device, the labelling benchmark, the SDPA kernel probe, the 8B-shaped step costs)
+runs here at tiny sizes, and its summary reads what the steps wrote, so that the script cannot rot between GPU
+sessions (its summary block once did, unnoticed). The timings mean nothing on CPU; exactness does: in fp32 on the
+CPU our engine must equal dflash's own loop token for token and step for step, and plain greedy decoding too.
+The script's exit status is its checks' verdict: a failing check fails it (tested with a broken engine below)."""
 
 import json
 import os
@@ -9,25 +11,70 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+STEPS = ["engine-fp32", "engine-bf16", "replay", "pipeline", "throughput", "sdpa-kernels", "costs-8b"]
+
+
+def python() -> str:
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else "python3"
+
+
+def dry_run(out: Path, **env):
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--out", str(out)],
+                          cwd=REPO, env={**os.environ, "PYTHON": python(), **env}, capture_output=True, text=True,
+                          timeout=900)
 
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu-check"
-    env = {**os.environ, "PYTHON": str(REPO / ".venv" / "bin" / "python")} \
-        if (REPO / ".venv" / "bin" / "python").exists() else dict(os.environ)
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = dry_run(out)
     summary = proc.stdout[proc.stdout.index("gpu_check summary"):] if "gpu_check summary" in proc.stdout else ""
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    status = (out / "status.txt").read_text().split("\n")
-    steps = [line.split()[0] for line in status if line.strip()]
-    assert steps == ["engine-fp32", "engine-bf16", "replay-bf16", "pipeline", "throughput", "sdpa-kernels",
-                     "costs-8b"], status
+    status = [line.split() for line in (out / "status.txt").read_text().splitlines() if line.strip()]
+    assert [s[0] for s in status] == STEPS and all(s[1] == "ok" for s in status), status
     assert "Traceback" not in summary, summary
-    for needle in ("engine float32", "pipeline (wall): adaptive", "enable_gqa:", "8B shapes batch-1 step",
-                   "throughput: ratio batched/naive"):
-        assert needle in summary, (needle, summary)
+
+    engine = json.loads((out / "engine-cpu-float32.json").read_text())
+    assert engine["cases"] == 20 and engine["ok"], engine  # 4 random pairs x 5 block sizes
+    assert engine["ids_equal_dflash"] == engine["steps_equal_dflash"] == engine["lossless_vs_greedy"] == 20, engine
+    assert f"ids = dflash 20/20, steps = dflash 20/20, lossless vs plain greedy 20/20" in summary, summary
+    replay = json.loads((out / "replay-cpu-float32.json").read_text())  # fp32 on CPU: replay is exact there
+    for pair, prompts in (("tiny_pair", 5), ("random_8b_shapes", 2)):
+        r = replay[pair]
+        assert r["prompts"] == prompts and r["labels_equal"] == r["tau_equal"] == r["committed_equal"] == prompts, r
+
+    # the pipeline ran on the device and wrote what the summary reads
+    headline = json.loads((out / "run" / "report" / "summary.json").read_text())["headline"]
+    assert headline["modelled"]["adaptive"] > 0 and f"adaptive {headline['modelled']['adaptive']:.2f}x" in summary
+    assert (out / "run" / "tune" / "step_rule.json").exists() and (out / "run" / "eval" / "load.json").exists()
+    workers = json.loads((out / "run" / "labels" / "manifest.json").read_text())["workers"]
+    assert len(workers) == 1 and workers[0]["device"].startswith("cpu"), workers
+    assert "enable_gqa:" in summary and "throughput: ratio batched/naive" in summary, summary
     costs = json.loads((out / "costs-8b.json").read_text())
-    compiled = costs["compiled"]  # engine.compile=on beside eager, as a lent GPU runs it
-    assert compiled["compile_s"] > 0 and all(v > 0 for v in compiled["step_s"].values())
-    assert all(v > 0 for v in compiled["decode_step_s"].values())
+    assert set(costs["step_s"]) == {"8", "16"} and all(v > 0 for v in costs["step_s"].values()), costs
+    assert "compiled" not in costs  # no CPU compile in the dry run (tests/unit/test_compiled.py covers it)
+    assert all(f"8B shapes batch-1 step b={b}: eager" in summary for b in costs["step_s"]), summary
+
+
+def test_a_failing_check_exits_non_zero(tmp_path):
+    """An engine whose per-step counts are off by one (injected through sitecustomize): gpu_check.py's engine check
+    counts the mismatches and exits 1, which gpu_check.sh records as that step FAILED and its own exit status."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import pipeline.decoding.engine as e\n"
+        "_decode = e.Engine.decode\n"
+        "def decode(self, state, block_size, max_new_tokens, **kw):\n"
+        "    res = _decode(self, state, block_size, max_new_tokens, **kw)\n"
+        "    res.committed = [c + 1 for c in res.committed]\n"
+        "    return res\n"
+        "e.Engine.decode = decode\n")
+    out = tmp_path / "gpu-check"
+    env = {"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"}
+    check = "engine"
+    proc = subprocess.run([python(), str(REPO / "benchmarks" / "gpu_check.py"), check, "--device", "cpu",
+                           "--dtype", "float32", "--out", str(out)], cwd=REPO, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    result = json.loads((out / f"{check}-cpu-float32.json").read_text())
+    assert not result["ok"] and result["steps_equal_dflash"] < result["cases"] and result["failures"], result

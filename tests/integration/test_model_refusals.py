@@ -97,6 +97,7 @@ def test_a_draft_changed_in_place_is_refused_on_rerun(prompts, tmp_path):
 def test_preflight_prints_its_table_and_refuses_naming_the_key(tmp_path):
     ok = blockpilot("preflight", f"output_dir={tmp_path / 'ok'}", *FAST)
     assert ok.proc.returncode == 0, ok.tail()
+    assert ok.ray_sessions, "the preflight's own local Ray left no session in its RAY_TMPDIR"  # what is seen below
     head = [i for i, x in enumerate(ok.lines) if "worker" in x and "dtype" in x and "output" in x]
     assert head and len(ok.lines) > head[0] + 2, ok.tail()
     rows = ok.lines[head[0] + 1:head[0] + 3]  # FAST: two CPU workers
@@ -113,4 +114,4 @@ def test_preflight_prints_its_table_and_refuses_naming_the_key(tmp_path):
     assert missing.proc.returncode == 1, missing.tail()
     assert missing.lines[-1] == ("blockpilot preflight: error: model.target: '/nonexistent/target' is neither a "
                                  "local folder nor a hub id (a hub id is 'owner/name')"), missing.tail()
-    assert "Started a local Ray instance" not in missing.output  # refused before any work
+    assert missing.ray_sessions == []  # refused before any work: no Ray was started

@@ -36,27 +36,42 @@ def wants_compile(mode: str, device_type: str) -> bool:
 
 def compile_forward(module: torch.nn.Module, name: str) -> None:
     """Replace ``module.forward`` by its compiled form; a compiler failure (not an error of the model's own, which
-    raises as in eager) switches the module back to eager for good, logged once."""
+    raises as in eager) switches the module back to eager for good, logged once. ``forward.blockpilot_compile``
+    counts the calls that went through the compiled function and says whether it fell back (:func:`compile_state`)."""
     eager = module.forward
     compiled = torch.compile(eager, dynamic=True)
-    state = {"fn": compiled}
+    state = {"fn": compiled, "compiled_calls": 0, "eager_calls": 0, "fallback": None}
 
     @functools.wraps(eager)
     def forward(*args, **kwargs):
         if _filling(kwargs.get("past_key_values")):
+            state["eager_calls"] += 1
             return eager(*args, **kwargs)
         try:
-            return state["fn"](*args, **kwargs)
+            out = state["fn"](*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # noqa: SLF001 - dynamo's own error base
             if state["fn"] is eager:
                 raise
-            log("engine").warning(f"engine.compile: {name} could not be compiled ({type(err).__name__}: "
-                                  f"{str(err).splitlines()[0] if str(err) else ''}); running it eager")
-            state["fn"] = eager
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            log("engine").warning(f"engine.compile: {name} could not be compiled ({reason}); running it eager")
+            state["fn"], state["fallback"] = eager, reason
+            state["eager_calls"] += 1
             return eager(*args, **kwargs)
+        state["compiled_calls" if state["fn"] is compiled else "eager_calls"] += 1
+        return out
 
     forward.blockpilot_compiled = True
+    forward.blockpilot_compile = state
     module.forward = forward
+
+
+def compile_state(module: torch.nn.Module) -> dict:
+    """How a module's forward ran since :func:`compile_forward`: ``compiled_calls``, ``eager_calls`` (cache-filling
+    forwards, and every call after a fallback) and ``fallback`` (the compiler's error, or None)."""
+    state = getattr(module.forward, "blockpilot_compile", None)
+    if state is None:
+        raise ValueError("this module's forward is not compiled by engine.compile")
+    return {k: v for k, v in state.items() if k != "fn"}
 
 
 def _filling(cache) -> bool:

@@ -687,8 +687,8 @@ def test_each_stage_ends_with_its_done_line_and_a_short_summary(run_dir):
 
 def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tmp_path, ray_session):
     """tune's load check: the run's own (tune/load_check.json, for train's schedule, read by evaluate's pass at load),
-    then on a copy whose schedule speculates at c = 4 and 16: a margin every measurement clears keeps b*(4); one no
-    measurement clears (tune.load_min_gain=10) drops both, K = 0 from c = 4 on, and evaluate's schedule, the policy
+    then on a copy whose schedule speculates at c = 4 and 16: a margin no measurement clears (tune.load_min_gain=10)
+    drops both, K = 0 from c = 4 on, and evaluate's schedule, the policy
     at that load and deploy's vLLM ranges all follow it."""
     from pipeline.evaluation.deploy import load_deploy, render, vllm_schedule_config
     from pipeline.evaluation.load_check import checked_schedule
@@ -722,10 +722,9 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     model = {**model, 1: 8, 4: 6, 16: 5}
     write_json_atomic({**json.loads(meta.read_text()), "schedule": {str(c): b for c, b in model.items()}}, meta)
     speculating = [4, 16]
-    cfg = cfg_for(copy, "evaluate.concurrency=[1,4]", "tune.load_min_gain=-0.999")
-    kept = run_check(cfg, TuneStage(cfg))
-    assert list(kept["loads"]) == ["4"] and kept["loads"]["4"]["kept"]  # any measured gain clears -99.9 %
-    assert {int(c): b for c, b in kept["schedule"].items()} == model
+    # (A "kept" verdict is not timed here: at 2 repeats its interval's t = 12.7 lets one stalled repeat put even a
+    # -99.9 % margin out of reach, so it flaked; the verdict's rule and the schedule it leaves are
+    # tests/unit/test_load_check.py's, on given intervals. A margin of +1000 % no measurement clears is certain.)
     cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "tune.load_min_gain=10.0")
     forced = run_check(cfg, TuneStage(cfg))
     assert sorted(int(c) for c in forced["loads"]) == speculating

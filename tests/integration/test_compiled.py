@@ -1,0 +1,56 @@
+"""engine.compile (pipeline/decoding/compiled.py): at T = 0 the compiled forwards decode token for token what eager
+decodes, and what plain greedy decoding gives, at batch 1 and batched, with every b, a stop and a budget end (CPU,
+fp32). In the integration layer: two CPU compiles (~40 s each) are the test's cost.
+
+The reference is the target's own greedy decode (greedy_reference, no engine, no cache reuse): a cache one position
+off in either engine changes the tokens and fails here, as a mismatch between the two engines would. That the
+compiled decodes really ran compiled is checked, not assumed: after a silent fallback to eager "compiled equals
+eager" would hold trivially. compile_forward counts the calls that went through the compiled function and records a
+fallback; dynamo's own silent fallback (at its recompile limit) is made an error for the test; and the graphs are
+counted from a cleared counter (dynamo's counters are process-wide; ``torch._dynamo.reset()`` does not clear them)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.decoding.batched import BatchedEngine
+from pipeline.decoding.compiled import apply_compile, compile_state
+from pipeline.decoding.engine import Engine, greedy_reference
+from random_pair import EOS_ID, make_pair, prompt
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+NEW = 12
+SIZES = (1, 2, 3, 5, 8)
+PROMPTS = 10  # each b twice at batch 1, and once more in the batched run
+
+
+def _decode_all(engine, prompts):
+    batch1 = []
+    for i, p in enumerate(prompts):
+        state = engine.prefill(torch.tensor([p]))
+        batch1.append(engine.decode(state, SIZES[i % len(SIZES)], NEW).new_ids.tolist())
+    run = BatchedEngine(engine).run(prompts, 4, NEW, lambda i, logits, hidden: (SIZES[(i + 1) % len(SIZES)], None))
+    return batch1, [r.decode.new_ids.tolist() for r in run.requests]
+
+
+def test_compiled_decodes_equal_eager_and_greedy_at_batch_1_and_batched():
+    target, draft = make_pair(3)
+    # prompt lengths 1..29; seed 42's greedy continuation stops at EOS within the budget, the others run to it
+    # (asserted below)
+    prompts = [prompt(i, length=1 + (7 * i) % 29).tolist()[0] for i in [42, *range(PROMPTS - 1)]]
+    truth = [greedy_reference(target, torch.tensor([p]), NEW, [EOS_ID])[0, len(p):].tolist() for p in prompts]
+    assert any(len(t) < NEW for t in truth) and any(len(t) == NEW for t in truth)  # stops and budgets both seen
+    engine = Engine(target, draft, [EOS_ID])
+    eager = _decode_all(engine, prompts)
+    assert apply_compile(SimpleNamespace(target=target, draft=draft), "on")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        compiled = _decode_all(engine, prompts)
+    for module in (target.model, draft):
+        state = compile_state(module)
+        assert state["fallback"] is None and state["compiled_calls"] > 0, state
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # both models' graphs, built in this test
+    assert compiled == eager
+    assert compiled[0] == truth and compiled[1] == truth

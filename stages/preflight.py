@@ -20,7 +20,12 @@ from pipeline.runtime.log import get as log
 
 
 class PreflightRefused(ValueError):
-    """A check failed on some worker: nothing was started (the CLI prints it in one line, after the table)."""
+    """A check failed on some worker: nothing was started (the CLI prints it in one line, after the table).
+    ``problems``: every (worker, key, message) that refused."""
+
+    def __init__(self, message: str, problems=()):
+        super().__init__(message)
+        self.problems = list(problems)
 
 
 @dataclass
@@ -56,7 +61,7 @@ def preflight(run, actors) -> Report:
         more = f" (and {len(problems) - 3} more above)" if len(problems) > 3 else ""
         for w, k, m in problems[3:]:
             say.error(f"preflight: {w}: {k}: {m}")
-        raise PreflightRefused(f"preflight refused, nothing started: {first}{more}")
+        raise PreflightRefused(f"preflight refused, nothing started: {first}{more}", problems)
     return Report(spec, rows, problems)
 
 
@@ -84,10 +89,10 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
         if refs and time.monotonic() >= next_line:
             next_line += pool.progress_s
             say.info(f"waiting for workers: {len(rows)}/{len(actors)} up after {time.monotonic() - t0:.0f} s "
-                     f"(each asks {place.ask()}; the cluster: {_resources(ray)}; workers.wait_s={pool.wait_s:g})")
+                     f"(each asks {place.asks()}; the cluster: {_resources(ray)}; workers.wait_s={pool.wait_s:g})")
     for i in refs.values():
         rows[i] = {"identity": f"worker {i}", "problems": [(place.key, (
-            f"not started within workers.wait_s={pool.wait_s:g} s: it asks {place.ask()} and the cluster has "
+            f"not started within workers.wait_s={pool.wait_s:g} s: it asks {place.asks()} and the cluster has "
             f"{_resources(ray)} (nodes not joined yet, or the resources held by another job); wait longer "
             f"(workers.wait_s), add nodes, or ask for fewer workers ({place.key})"))]}
     return [rows[i] for i in range(len(actors))]

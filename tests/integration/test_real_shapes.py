@@ -3,25 +3,30 @@ whose config.json has the z-lab DFlash-b16 layout (``block_size`` 16, ``dflash_c
 ``target_layer_ids``, ``num_target_layers``), built here (tests/random_pair.py ``save_real_shaped_pair``): narrow and
 shallow, so that a CPU runs it, but every code path meets the real vocabulary and the real config keys.
 
-``blockpilot run`` (prepare, label at B = 16's candidates 14..18, train with the paper's MLP, whose first layer is
-V x 2048 = 311M parameters, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short
-outputs; its own local Ray, as the README's first command runs.
+``blockpilot run`` (prepare, label at B = 16's candidates 14..18, train with the paper's MLP and objective on the
+V = 151,936 logits, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short outputs; its
+own local Ray, as the README's first command runs. The MLP's head is narrow (64 wide, not the paper's 2,048): the
+vocabulary is what this test is about, and at 2,048 the first layer alone (311M parameters, ~5 GB of checkpoints)
+took most of its six minutes. Its parameter count is derived from V and the width, and read from the exported file.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import math
 import shutil
 import subprocess
 
 import pyarrow.parquet as pq
+
+from safetensors import safe_open
 
 from conftest import ONE_SOURCE
 from random_pair import QWEN3_VOCAB, ZLAB_MASK_ID, save_real_shaped_pair
 
 from .conftest import BLOCKPILOT, REPO, blockpilot
 
+HIDDEN, LAYERS, CLASSES = 64, 2, 5  # train.hidden, train.n_layers; the paper's objective: one class per candidate
 SETTINGS = [
     *ONE_SOURCE, "model.tokenizer=bundled:tiny-target", "model.device=cpu", "progress=false",
     "prepare.limit=8", "prepare.shard_size=4", "decode.max_new_tokens=16", "label.k=2", "label.batch_size=4",
@@ -29,8 +34,8 @@ SETTINGS = [
     # one short round of the start-up cost profile, c = 1 and 4
     "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
     "profile.concurrency=[1,4]",
-    # the paper's MLP and objective, one epoch (its checkpoint alone is ~3.7 GB: weights and Adam's moments)
-    "train.model=mlp", "train.objective=paper", "train.hidden=2048", "train.n_layers=2", "train.epochs=1",
+    # the paper's MLP and objective, one epoch, a narrow head (HIDDEN)
+    "train.model=mlp", "train.objective=paper", "train.hidden=64", "train.n_layers=2", "train.epochs=1",
     "train.checkpoint_every=1", "train.batch_size=8", "train.use_gpu=false",
     "evaluate.limit=2", "evaluate.concurrency=[1,4]", "evaluate.load_repeats=2", "evaluate.per_step=false",
 ]
@@ -60,11 +65,17 @@ def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_f
                            cwd=REPO)
         assert v.returncode == 0, v.stdout + v.stderr
 
+        # Linear(V, h), (LAYERS - 1) x Linear(h, h), Linear(h, classes), biases included
+        first = QWEN3_VOCAB * HIDDEN + HIDDEN
+        params = first + (LAYERS - 1) * (HIDDEN * HIDDEN + HIDDEN) + HIDDEN * CLASSES + CLASSES
+        with safe_open(str(out / "train" / "policy" / "model.safetensors"), "pt") as f:
+            exported = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        assert sum(math.prod(shape) for shape in exported.values()) == params, exported
+        assert [QWEN3_VOCAB] in [shape[1:] for shape in exported.values()], exported  # reads all V logits
         mlp = [x for x in run.lines if x.startswith("[train] the MLP: ")]
-        assert mlp and re.search(r"the MLP: 315\.\dM parameters \(first layer 311\.2M\); each worker plans "
-                                 r"\d+\.\d\d GiB on the CPU", mlp[0]), mlp
+        assert mlp and mlp[0].startswith(f"[train] the MLP: {params / 1e6:.1f}M parameters (first layer "
+                                         f"{QWEN3_VOCAB * HIDDEN / 1e6:.1f}M); each worker plans "), mlp
         print("[real shapes]", mlp[0])
-        assert (out / "train" / "policy" / "model.safetensors").exists()
 
         summary = json.loads((out / "eval" / "summary.json").read_text())
         assert summary["rows"] == 4 * len(summary["fixed_block_sizes"] + ["AR", "adaptive", "oracle"])

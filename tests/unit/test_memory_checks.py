@@ -77,3 +77,47 @@ def test_a_batch_out_of_memory_is_retried_prompt_by_prompt_and_counted():
     assert got == [i * (i + 1) for i in range(6)]
     assert batches.counts() == {"batches": 2, "batches_failed": 1, "batches_out_of_memory": 1,
                                 "prompts_retried_alone": 4}
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                                                "can't allocate memory: you tried to allocate 8589934592 bytes."),
+                                   MemoryError()])
+def test_every_out_of_memory_is_counted_as_one_and_a_prompt_failing_alone_is_its_own_error(error):
+    """The allocators' three ways of saying it (CUDA's, the CPU allocator's, Python's) count as out of memory; a
+    prompt that fails alone too gets its own error for its row, and its batch-mates are labelled."""
+    from pipeline.labelling.batched import ShardBatches
+
+    def label(batch):
+        if len(batch) > 2:
+            raise error
+        if [5] * 6 in batch:  # p5 fails on its own as well
+            raise ValueError("p5 is broken")
+        return [sum(p) for p in batch]
+
+    ids = [f"p{i}" for i in range(6)]
+    batches = ShardBatches(ids, [[i] * (i + 1) for i in range(6)], 4, label)
+    got = []
+    for i in ids:
+        try:
+            got.append(batches({"prompt_id": i}))
+        except ValueError as err:
+            got.append(str(err))
+    assert got == [0, 2, 6, 12, 20, "p5 is broken"]
+    # the batch of 4 ran out of memory; the batch of 2 (p4, p5) failed on p5's own error, not counted as memory
+    assert batches.counts() == {"batches": 2, "batches_failed": 2, "batches_out_of_memory": 1,
+                                "prompts_retried_alone": 6}
+
+
+def test_a_failure_that_is_not_memory_is_not_counted_as_out_of_memory():
+    from pipeline.labelling.batched import ShardBatches
+
+    def label(batch):
+        if len(batch) > 2:
+            raise RuntimeError("shape mismatch in the draft's block")
+        return [sum(p) for p in batch]
+
+    batches = ShardBatches([f"p{i}" for i in range(4)], [[i] for i in range(4)], 4, label)
+    assert [batches({"prompt_id": f"p{i}"}) for i in range(4)] == [0, 1, 2, 3]
+    assert batches.counts() == {"batches": 1, "batches_failed": 1, "batches_out_of_memory": 0,
+                                "prompts_retried_alone": 4}

@@ -180,7 +180,7 @@ def test_a_sweep_without_c_1_puts_its_smallest_c_on_top(sweep):
     assert d["concurrency"] == [1, 4] and "c=16" in d["rejects"][0]["reason"]
 
 
-def test_deploy_takes_a_sweep_folder_as_its_cost_profile(tmp_path):
+def test_deploy_takes_a_sweep_folder_as_its_cost_profile(tmp_path, capsys):
     """`blockpilot deploy RUN --cost-profile SWEEP_DIR`: the schedule by concurrency under the server's own step costs
     (the test sweep: K = 7 fastest at c = 1, K = 0 at c = 16), with the label set's tau; printed, and valid by
     vLLM's rules."""
@@ -198,6 +198,11 @@ def test_deploy_takes_a_sweep_folder_as_its_cost_profile(tmp_path):
     assert d.schedule[16] == 1  # no speculation at the sweep's highest load
     assert "imported from a vLLM sweep" in d.chosen_on
     spec = deploy.vllm_schedule_config(d)
-    if spec is not None:
-        assert not vllm_schedule_errors(spec["num_speculative_tokens_per_batch_size"], spec["num_speculative_tokens"])
+    assert spec is not None  # K = 7 at c = 1, K = 0 at c = 16: a schedule by load, not one K
+    ranges = spec["num_speculative_tokens_per_batch_size"]
+    assert not vllm_schedule_errors(ranges, spec["num_speculative_tokens"])
+    assert ranges[0][0] == 1 and ranges[0][2] > 0 and ranges[-1] == [16, 1024, 0], ranges  # K = 0 at c = 16
+    capsys.readouterr()
     assert main(["deploy", str(run.root), "--cost-profile", str(DATA)]) == 0
+    printed = capsys.readouterr().out
+    assert json.dumps(ranges, separators=(",", ":")) in printed.replace(" ", ""), printed  # the sweep's schedule

@@ -19,7 +19,8 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_collection_modifyitems(items):
-    """Two layers: tests/unit (no Ray, seconds each) and tests/integration (real Ray, clusters, faults)."""
+    """Two layers: tests/unit (no Ray, seconds each) and tests/integration (real Ray, clusters, faults, CPU compiles,
+    and the statistical checks of sampling, each hundreds of decodes)."""
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)

@@ -176,8 +176,9 @@ class Run:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for(self, pred: Callable[[], object], timeout: float, what: str):
-        """Poll ``pred`` until it returns something truthy; fail if the process exits first or time runs out."""
+    def wait_for(self, pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
+        """Poll ``pred`` every ``poll`` s until it returns something truthy; fail if the process exits first or time
+        runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = pred()
@@ -188,7 +189,7 @@ class Run:
                 if got:
                     return got
                 raise AssertionError(f"exited ({self.proc.returncode}) before {what}:\n{self.tail()}")
-            time.sleep(0.05)
+            time.sleep(poll)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{self.tail()}")
 
     def wait(self, timeout: float) -> int:

@@ -23,13 +23,12 @@ import os
 import re
 import signal
 import subprocess
-import threading
 
 import pytest
 
 from conftest import FAST
 
-from .conftest import BLOCKPILOT, REPO, marked_pids
+from .conftest import BLOCKPILOT, REPO
 from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
 
 pytestmark = pytest.mark.faults
@@ -37,32 +36,48 @@ pytestmark = pytest.mark.faults
 # 16 prompts in 8 shards of 2: shards enough to go round three workers.
 SMALL = [*FAST, "train.epochs=2", "prepare.shard_size=2", "label.num_workers=null", "evaluate.per_step=false",
          "evaluate.concurrency=[1,4]", "evaluate.num_workers=1"]
-SETUP = "ray::StageActor[label].setup"
 
 
-class KillLoads(threading.Thread):
-    """Kills every label actor of one node while it loads its models (its process title ``...setup``)."""
-
-    def __init__(self, marker: str):
-        super().__init__(daemon=True)
-        self.marker, self.killed, self.stop = marker, [], threading.Event()
-
-    def run(self):
-        while not self.stop.wait(0.05):
-            for pid in marked_pids(self.marker):
-                if _cmdline(pid).startswith(SETUP):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        self.killed.append(pid)
-                    except ProcessLookupError:
-                        pass
+# Node B's Python processes import this (its PYTHONPATH): a label actor that loads its models there dies by SIGKILL
+# at that moment, as one the kernel's OOM killer ends, after noting its pid. No process outside B is touched, and
+# nothing polls for the moment: the load itself is the event.
+KILL_LABEL_LOADS = """
+import importlib.abc, importlib.util, os, signal, sys
 
 
-def _busy_label_actor(marker: str):
-    for pid in marked_pids(marker):
-        if _cmdline(pid).startswith("ray::StageActor[label].process"):
-            return pid
-    return None
+class KillLabelLoads(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "pipeline.decoding.models":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            load = module.load_models
+
+            def load_models(*args, **kwargs):
+                with open("/proc/self/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::StageActor[label].setup"):
+                        with open(os.environ["BP_KILLED"], "a") as log:
+                            log.write(f"{os.getpid()}\\n")
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return load(*args, **kwargs)
+
+            module.load_models = load_models
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, KillLabelLoads())
+"""
+
+
+def _on_a_shard(pid: int) -> bool:
+    """Whether the actor process ``pid`` runs a shard (its process title; one file read, no /proc scan)."""
+    return _cmdline(pid).startswith("ray::StageActor[label].process")
 
 
 @pytest.fixture(scope="module")
@@ -81,27 +96,29 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")
     a = cluster.add_node("gpu-a", gpus=1, cpus=2)
     job = cluster.submit("jobs/label.py", f"output_dir={out}", *SMALL, wait=False)
-    killer = None
+    inject, killed = tmp_path / "inject", tmp_path / "killed.txt"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(KILL_LABEL_LOADS)
     try:
-        frozen = job.wait_for(lambda: _busy_label_actor(a.run.marker), 600, "A's actor on a shard")
+        # A's worker says its pid when it is set up; it is frozen once on its first shard (its process title)
+        found = job.wait_for(lambda: re.search(rf"^\[label\] worker {a.node_id[:12]}\S* pid=(\d+)", job.output, re.M),
+                             600, "A's worker to set up")
+        frozen = int(found.group(1))
+        job.wait_for(lambda: _on_a_shard(frozen), 600, "A's actor on a shard", poll=0.5)
         os.kill(frozen, signal.SIGSTOP)
-        b = cluster.add_node("gpu-b", gpus=1, cpus=2)
-        killer = KillLoads(b.run.marker)
-        killer.start()
+        b = cluster.add_node("gpu-b", gpus=1, cpus=2, env={"PYTHONPATH": str(inject), "BP_KILLED": str(killed)})
         job.wait_for(lambda: re.search(rf"worker {b.node_id[:12]}\S* on node {b.node_id[:12]} could not set up",
-                                       job.output), 600, "B's worker to fail its setup")
+                                       job.output), 600, "B's worker to fail its setup", poll=0.5)
         c = cluster.add_node("gpu-c", gpus=1, cpus=2)
         job.wait_for(lambda: re.search(rf"^\[label\] worker {c.node_id[:12]}\S* pid=\d+", job.output, re.M), 600,
-                     "a worker set up on C")
+                     "a worker set up on C", poll=0.5)
         os.kill(frozen, signal.SIGCONT)
         rc = job.wait(600)
     finally:
-        if killer is not None:
-            killer.stop.set()
         if job.proc.poll() is None:
             job.kill()
     assert rc == 0, job.tail(80)
-    assert killer.killed, "B's model load was never seen"
+    assert killed.is_file() and killed.read_text().split(), "B's model load was never seen"
     assert re.search(r"a GPU joined the cluster", job.output), job.tail(80)
     for line in job.lines:
         if "could not set up" in line or "joined" in line:

@@ -2,8 +2,6 @@
 
 import glob
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
@@ -318,25 +316,12 @@ def test_identical_rerun_with_force_writes_an_identical_manifest(tmp_path):
 
 # ---- CLI, job entrypoint, configs --------------------------------------------------------------------------------
 
-def test_cli_unwritable_output_dir_is_a_clear_error(tmp_path):
+def test_cli_unwritable_output_dir_is_a_clear_error(tmp_path, capsys):
     blocker = tmp_path / "afile"
     blocker.write_text("a regular file, so nothing can be created under it")
-    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", f"output_dir={blocker / 'sub'}",
-                           "prepare.limit=2"], capture_output=True, text=True, cwd=REPO_ROOT)
-    assert proc.returncode == 1
-    assert "not writable" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_job_entrypoint_runs_the_cli(tmp_path):
-    proc = subprocess.run([sys.executable, "jobs/prepare.py", f"output_dir={tmp_path}", "progress=false",
-                           "prepare.limit=3", "prepare.sources=[{name: he, kind: bundled, path: humaneval}]", "--json"],
-                          capture_output=True, text=True, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["rows"] == 3  # --json: stdout is the summary alone, the log on stderr
-    assert "[prepare] done: 3 rows" in proc.stderr
-    bad = subprocess.run([sys.executable, "jobs/prepare.py", "no_such_key=1"], capture_output=True, text=True,
-                         cwd=REPO_ROOT)
-    assert bad.returncode == 2 and "no_such_key" in bad.stderr
+    assert main(["prepare", f"output_dir={blocker / 'sub'}", "prepare.limit=2"]) == 1
+    err = capsys.readouterr().err
+    assert "not writable" in err and "Traceback" not in err
 
 
 # The paper's models (tiny-t1, the bundled pair at T = 1, is pinned in tests/unit/test_conf_defaults.py).

@@ -83,7 +83,7 @@ def test_simulated_equals_decoded_on_the_tiny_pair():
     from pipeline.runtime.config import ModelConfig, load_config
 
     m = load_models(ModelConfig(dtype="float32", device="cpu"))
-    rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=4)
+    rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=2)
     prompts = [torch.tensor(r["input_ids"])[None] for r in rows]
     newline = m.tokenizer("\n", add_special_tokens=False)["input_ids"][-1:]
     rules = [Full(), ConfidenceThreshold(0.01), ConfidenceThreshold(0.05), ConfidenceThreshold(0.3),

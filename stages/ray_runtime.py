@@ -21,6 +21,9 @@ def ray_init_plan(cfg: RayConfig, verbosity: int, environ=os.environ) -> Tuple[D
       ray/train/v2/_internal/constants.py), and creating its actor logs a core_worker.cc error line (constructor
       arguments in the object store with max_restarts > 0, ray-project/ray#53727) into every default run. On a
       cluster it stays on (a spot node can be drained). ``setdefault``: a value the user set wins.
+    * Ray Train's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default), and a
+      run waits a poll at each of its phases: at 0.5 s a 16-row train took 6 s less of 49 on a 2-core machine
+      (0.2 s: the same). A local Ray only; a cluster's own setting stands.
     """
     address = cfg.address or environ.get("RAY_ADDRESS")
     local = not address or address == "local"
@@ -33,6 +36,7 @@ def ray_init_plan(cfg: RayConfig, verbosity: int, environ=os.environ) -> Tuple[D
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
     if local:
         env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+        env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     return kwargs, env
 
 

@@ -158,17 +158,62 @@ def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
     return fp
 
 
+# Label sets whose columns train reads are at most this many bytes (uncompressed) are read by the driver and handed
+# to Ray Train as in-memory datasets: Ray Data's read and map tasks, each a fresh worker process, took ~14 s of a 43 s
+# train of 16 rows on a 2-core machine; a default run's 520 rows x 4,096 logits are ~9 MB. Larger sets stream.
+SMALL_LABEL_BYTES = 64 * 2**20
+
+
+def _columns_bytes(shards, columns) -> int:
+    from pipeline.io.storage import parquet_file
+
+    total = 0
+    for p in shards:
+        meta = parquet_file(p).metadata
+        names = [meta.schema.column(i).path.split(".")[0] for i in range(meta.num_columns)]
+        total += sum(meta.row_group(g).column(i).total_uncompressed_size for g in range(meta.num_row_groups)
+                     for i, n in enumerate(names) if n in columns)
+    return total
+
+
+def _in_memory(batch: Dict[str, Any]):
+    """A numpy batch as an Arrow table Ray Data reads back as the same numpy batch (2-D as fixed-size lists)."""
+    import pyarrow as pa
+
+    cols = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        if v.ndim == 2:
+            cols[k] = pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
+        else:
+            cols[k] = pa.array(v.tolist())
+    return pa.table(cols)
+
+
 def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, Any]:
     """The train and val splits as Ray Datasets over the shards, read through the stages' own filesystem client
-    (local or object storage)."""
+    (local or object storage); a small label set (SMALL_LABEL_BYTES) read here, in memory."""
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     frac = cfg.train.val_fraction
     calib = cfg.train.calibration_fraction if cfg.train.objective == "speed" else 0.0
-    fs, _ = arrow_filesystem(labels_dir)
-    ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(
-        ["prompt_id", "logits", cfg.train.tau_column, LABEL_COLUMN])
+    columns = ["prompt_id", "logits", cfg.train.tau_column, LABEL_COLUMN]
+    small = _columns_bytes(problem.shards, columns) <= SMALL_LABEL_BYTES
+    if small:
+        import pyarrow as pa
+
+        from pipeline.io.storage import read_table
+
+        table = pa.concat_tables([read_table(p, columns=columns) for p in problem.shards])
+        whole = {c: (np.stack([np.asarray(x, dtype=np.float32) for x in table.column(c).to_pylist()])
+                     if pa.types.is_list(table.schema.field(c).type) or
+                     pa.types.is_fixed_size_list(table.schema.field(c).type)
+                     else np.asarray(table.column(c).to_pylist())) for c in columns}
+    else:
+        fs, _ = arrow_filesystem(labels_dir)
+        ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(
+            columns)
 
     def keep(batch, split: str, rule_tau):
         mask = in_split(batch["prompt_id"], split, frac, calib)
@@ -181,6 +226,8 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
     # calibration, its margin from out-of-fold ones (the MLP's margin is calibrated on the driver, on the
     # calibration rows).
     splits = ("train", "val", "calib") if cfg.train.model == "ridge" else ("train", "val")
+    if small:
+        return {split: ray.data.from_arrow(_in_memory(keep(whole, split, problem.rule_tau))) for split in splits}
     return {split: ds.map_batches(keep, fn_kwargs={"split": split, "rule_tau": problem.rule_tau},
                                   batch_format="numpy") for split in splits}
 

@@ -82,6 +82,9 @@ def test_a_local_ray_has_no_preemption_watcher_and_quiet_ray_logs(address):
     assert ray["starts_local"] and ray["resources"] == {"num_cpus": 3}  # a new Ray of the config's size
     assert not ray["info"] and ray["warning"]  # Ray's INFO lines off, its warnings on
     assert kwargs["log_to_driver"] is True  # the actors' own lines (and tracebacks) still reach the terminal
+    from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR  # the name Ray Train reads
+
+    assert float(env[HEALTH_CHECK_INTERVAL_S_ENV_VAR]) < 2.0  # its controller polls faster than its 2 s default
 
 
 def test_a_cluster_keeps_its_preemption_watcher_and_verbose_lets_ray_info_through():
@@ -91,6 +94,7 @@ def test_a_cluster_keeps_its_preemption_watcher_and_verbose_lets_ray_info_throug
     # Joining: the cluster's address, and no resources (ray.init refuses num_cpus / num_gpus for an existing one).
     assert not ray["starts_local"] and kwargs["address"] == "ray://head:10001" and ray["resources"] == {}
     assert ray["info"]  # -v
+    assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in env  # a cluster's own setting stands
     kwargs, env = ray_init_plan(RayConfig(num_gpus=2), verbosity=0, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
     ray = ray_would(kwargs, env)  # `ray job submit` sets RAY_ADDRESS: the job joins that cluster
     assert kwargs["address"] == "10.0.0.1:6379" and ray["resources"] == {} and ray["preemption_watcher"] is True

@@ -38,7 +38,7 @@ from pipeline.labelling.greedy import greedy_continuations, target_features  # n
 from pipeline.labelling.runner import DraftRunner  # noqa: E402
 from pipeline.labelling.walks import lockstep_walks  # noqa: E402
 from pipeline.decoding.engine import Engine  # noqa: E402
-from pipeline.labelling.labels import _labels, candidate_block_sizes  # noqa: E402
+from pipeline.labelling.labels import assemble_labels, candidate_block_sizes  # noqa: E402
 
 
 def exhaustive(engine, ids, cands, max_new):
@@ -49,7 +49,7 @@ def exhaustive(engine, ids, cands, max_new):
         r = engine.decode(state, block_size=b, max_new_tokens=max_new)
         per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds}
         outputs[b] = r.new_ids.tolist()
-    return _labels(state, cands, per_b, None), outputs
+    return assemble_labels(state, cands, per_b, None), outputs
 
 
 @torch.inference_mode()

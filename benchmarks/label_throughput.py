@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from pipeline.runtime.config import ModelConfig, load_config  # noqa: E402
 from pipeline.decoding.engine import Engine  # noqa: E402
 from pipeline.labelling.labels import (  # noqa: E402
-    _labels,
+    assemble_labels,
     candidate_block_sizes,
     label_prompt,
     replay_label_prompt,
@@ -55,7 +55,7 @@ def naive(engine, ids, cands, max_new):
         state = engine.prefill(ids)
         r = engine.decode(state, block_size=b, max_new_tokens=max_new)
         per_b[b] = {"committed": r.committed, "new_tokens": r.new_tokens, "seconds": r.decode_seconds}
-    return _labels(state, cands, per_b, None)
+    return assemble_labels(state, cands, per_b, None)
 
 
 def _key(labels):

@@ -36,13 +36,13 @@ STAGES = {
                   "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
                   "size and write label shards (output_dir/labels/)", ("model", "decode", "prepare", "label", "profile",
-                                                                         "engine", "workers", "ray"),
+                                                                         "engine", "vllm", "workers", "ray"),
                   "stages.label"),
         StageInfo("preflight", "check every worker the label stage expects before any work: devices (Ray's GPUs "
                   "against torch), the models (reachable, weights matching their class, the same bytes on every "
                   "node), output_dir (written and read from every node), the memory plan; one table, exit 1 naming "
-                  "the node and the key", ("model", "decode", "prepare", "label", "profile", "engine", "workers",
-                                          "ray"),
+                  "the node and the key", ("model", "decode", "prepare", "label", "profile", "engine", "vllm",
+                                          "workers", "ray"),
                   "stages.preflight"),
         StageInfo("profile", "the cost model alone: seconds per decode step (draft and verify apart) at every b in "
                   "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
@@ -63,8 +63,8 @@ STAGES = {
         StageInfo("report", "tables and plots over labels, training and evaluation (output_dir/report/)", (),
                   "stages.report"),
         StageInfo("run", "prepare -> label -> train -> tune -> evaluate -> report; stages already complete are "
-                  "skipped", ("model", "decode", "prepare", "label", "profile", "engine", "train", "tune", "evaluate",
-                              "workers", "ray"),
+                  "skipped", ("model", "decode", "prepare", "label", "profile", "engine", "vllm", "train", "tune",
+                              "evaluate", "workers", "ray"),
                   "stages.run"),
     )
 }

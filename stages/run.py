@@ -54,6 +54,9 @@ def skipped(cfg: PipelineConfig, name: str) -> str:
     """Why ``run`` leaves a stage out ("" when it runs): decided before any stage runs, so nothing fails late."""
     if name == "tune" and not cfg.evaluate.per_step:
         return "evaluate.per_step is false"
+    if name == "tune" and cfg.label.engine == "vllm":
+        return ("label.engine=vllm: vLLM reports accepted counts, not the draft's per-slot confidences the rules are "
+                "simulated from (no per-step trace), and serves no per-step rule; adaptive runs the policy alone")
     if name == "tune" and cfg.decode.temperature > 0:
         return (f"decode.temperature={cfg.decode.temperature}: per-step rules are scored on exact traces, which only "
                 "T = 0 has; adaptive runs the policy alone")

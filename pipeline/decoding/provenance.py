@@ -214,7 +214,7 @@ def _hub_header(repo: str, commit: str) -> Optional[Dict[str, Tuple[int, ...]]]:
 
 
 def _compare(model, header: Dict[str, Tuple[int, ...]], key_mapping) -> List[str]:
-    """weight_problems of loading ``header`` into ``model``, mirroring transformers 5.15's from_pretrained: its key
+    """weight_problems of loading ``header`` into ``model``, mirroring transformers 5.15-5.19's from_pretrained: its key
     renamings (convert_and_load_state_dict_in_model, falling back to the name as stored), then its tying of a
     checkpoint's one copy of tied weights and its per-class ignore patterns (_finalize_model_loading)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -237,8 +237,13 @@ def _compare(model, header: Dict[str, Tuple[int, ...]], key_mapping) -> List[str
         found.add(new)
         if converter is None and shape != expected[new]:  # a converter (fused experts) reshapes on purpose
             mismatched.add((new, shape, expected[new]))
+    import dataclasses
+
+    later = {"skipped_pp_keys": set()}  # fields transformers added after 5.15 (5.19: pipeline-parallel skips)
+    have = {f.name for f in dataclasses.fields(LoadStateDictInfo)}
     info = LoadStateDictInfo(missing_keys=set(expected) - found, unexpected_keys=unexpected,
-                             mismatched_keys=mismatched, error_msgs=[], conversion_errors={})
+                             mismatched_keys=mismatched, error_msgs=[], conversion_errors={},
+                             **{k: v for k, v in later.items() if k in have})
     model.tie_weights(missing_keys=info.missing_keys, recompute_mapping=False)
     model._adjust_missing_and_unexpected_keys(info)
     return weight_problems(info.missing_keys, info.unexpected_keys, info.mismatched_keys)

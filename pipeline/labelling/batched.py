@@ -33,7 +33,7 @@ import torch
 
 from pipeline.labelling.continuation import speculative_continuations
 from pipeline.labelling.greedy import greedy_continuations
-from pipeline.labelling.labels import PromptLabels, _labels
+from pipeline.labelling.labels import PromptLabels, assemble_labels
 from pipeline.labelling.runner import DraftRunner
 from pipeline.labelling.support import require_replayable
 from pipeline.labelling.trace import record_traces
@@ -98,7 +98,7 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         per_b = {b: {"committed": walks[p][b], "new_tokens": len(news[p]), "seconds": decode_share}
                  for b in candidates}
         state = SimpleNamespace(logits=logits[p], prefill_seconds=prefill_share)
-        out.append(_labels(state, candidates, per_b, step_cost, traces[p], trace_share))
+        out.append(assemble_labels(state, candidates, per_b, step_cost, traces[p], trace_share))
     return out
 
 
@@ -112,10 +112,12 @@ class ShardBatches:
     """
 
     def __init__(self, prompt_ids: Sequence[str], input_ids: Sequence[Sequence[int]], batch_size: int,
-                 label_batch):
+                 label_batch, with_rows: bool = False):
         self.prompt_ids = list(prompt_ids)
         self.input_ids = [list(x) for x in input_ids]
-        self.label_batch = label_batch  # [input ids, ...] -> [PromptLabels, ...]
+        # [input ids, ...] -> [PromptLabels, ...]; with_rows: label_batch(ids, the shard rows they are) (per-row seeds)
+        self.label_batch = label_batch
+        self.with_rows = with_rows
         self.chunks = length_sorted_chunks([len(x) for x in self.input_ids], batch_size)
         self.chunk_of = {i: c for c, chunk in enumerate(self.chunks) for i in chunk}
         self.results: Dict[int, object] = {}
@@ -138,7 +140,7 @@ class ShardBatches:
     def _label(self, chunk: List[int]) -> None:
         self.batches += 1
         try:
-            for i, out in zip(chunk, self.label_batch([self.input_ids[i] for i in chunk]), strict=True):
+            for i, out in zip(chunk, self._call([self.input_ids[i] for i in chunk], chunk), strict=True):
                 self.results[i] = out
             return
         except Exception as err:  # noqa: BLE001 - retried below, prompt by prompt
@@ -151,11 +153,14 @@ class ShardBatches:
         for i in chunk:
             self.retried += 1
             try:
-                self.results[i] = self.label_batch([self.input_ids[i]])[0]
+                self.results[i] = self._call([self.input_ids[i]], [i])[0]
             except Exception as err:  # noqa: BLE001 - this prompt's own error, rejected for its row only
                 _free_cuda(err)
                 self.results[i] = err
 
+
+    def _call(self, ids, rows):
+        return self.label_batch(ids, rows) if self.with_rows else self.label_batch(ids)
 
     def counts(self) -> Dict[str, int]:
         """What the shard's batching cost: the label summary sums these over shards, and the stage's closing line

@@ -48,9 +48,11 @@ class PromptLabels:
         return self.candidates[self.label_index]
 
 
-def _labels(state, candidates: Sequence[int], per_b: Dict[int, dict], step_cost: Optional[Dict[int, float]],
-            trace: Optional[Trace] = None, trace_seconds: Optional[float] = None) -> PromptLabels:
-    """Assemble one prompt's labels from {b: {"committed", "new_tokens", "seconds"}}."""
+def assemble_labels(state, candidates: Sequence[int], per_b: Dict[int, dict],
+                    step_cost: Optional[Dict[int, float]], trace: Optional[Trace] = None,
+                    trace_seconds: Optional[float] = None) -> PromptLabels:
+    """Assemble one prompt's labels from {b: {"committed", "new_tokens", "seconds"}} (``state``: anything with the
+    prefill's ``logits`` and ``prefill_seconds``; our engines' and vLLM's alike)."""
     committed = [per_b[b]["committed"] for b in candidates]
     tau = [sum(c) / len(c) if c else 1.0 for c in committed]  # as DecodeResult.tau
     speedup_index = None
@@ -92,7 +94,7 @@ def label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[i
             trace = record_traces(runner, [state.num_input_tokens], max_new_tokens, trace_block_size,
                                   engine.stop_token_ids)[0]
             trace_seconds = time.perf_counter() - t0
-    return _labels(state, candidates, per_b, step_cost, trace, trace_seconds)
+    return assemble_labels(state, candidates, per_b, step_cost, trace, trace_seconds)
 
 
 def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Sequence[int], max_new_tokens: int,
@@ -111,7 +113,7 @@ def replay_label_prompt(engine: Engine, input_ids: torch.Tensor, candidates: Seq
         b_ref = engine.trained_block_size
     per_b, trace, trace_seconds = replay_with_trace(engine, state, candidates, max_new_tokens, proposer=proposer,
                                                     reference_block_size=b_ref, trace_block_size=trace_block_size)
-    return _labels(state, candidates, per_b, step_cost, trace, trace_seconds)
+    return assemble_labels(state, candidates, per_b, step_cost, trace, trace_seconds)
 
 
 def logits_to_numpy(logits: torch.Tensor, precision: str = "fp16") -> np.ndarray:

@@ -95,7 +95,9 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
     main = profiles[max(rows, key=rows.get)]
     machine, base = machine_of(main), CostProfile.from_dict(main)
     same = [p for p in profiles.values() if machine_of(p) == machine]
-    if len(same) == 1 or not all(p.get("raw") for p in same):
+    # A vLLM-timed profile (label.engine=vllm: its raw points are per-run TPOT records, not steps to refit) is not
+    # pooled: the main worker's stands.
+    if len(same) == 1 or not all(p.get("raw") for p in same) or any(p.get("engine") for p in same):
         return base, len(profiles), 1
     pooled = CostProfile.from_raw([r for p in same for r in p["raw"]],
                                   {**base.meta, "pooled_workers": len(same),

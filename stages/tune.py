@@ -186,7 +186,10 @@ class TuneStage(DecodingStage):
                 "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
                 "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()},
                 **({"load_check": {"schedule": check["schedule"], "skipped": check.get("skipped"),
-                                   "loads": {c: {k: v[k] for k in ("b", "kept", "why", "prompts", "repeats")}
+                                   "inherited": check.get("inherited") or {},
+                                   "loads": {c: {k: v.get(k) for k in ("b", "verdict", "kept", "serve", "why",
+                                                                       "prompts", "repeats", "engines_at_once",
+                                                                       "timing", "small_b")}
                                              for c, v in check["loads"].items()}}} if check else {})}
 
     def at_load(self, checked: Optional[Dict[str, int]] = None) -> Dict[str, Any]:

@@ -67,7 +67,7 @@ FAST = [
     # with two timed repeats: the stage tests check what is written, not the timings.
     "profile.concurrency=[1,4,16]", "profile.load_rounds=1", "evaluate.load_repeats=2",
     # tune's load check on a few val prompts, twice: what it writes and who reads it, not its verdict's timing
-    "tune.load_prompts=8", "tune.load_repeats=2",
+    "tune.load_prompts=8", "tune.load_repeats=2", "tune.load_max_repeats=2",
 ]
 
 

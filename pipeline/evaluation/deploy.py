@@ -33,6 +33,9 @@ BUNDLED = "bundled:"
 #     (a list of [start_bs, end_bs, optimal_K]: K draft tokens while the concurrency is in [start_bs, end_bs]; every
 #     K <= num_speculative_tokens, the maximum draft window; "Tested with Eagle, Eagle-3, and DFlash"); merged in
 #     vllm PR #32374 ("Dynamic Speculative Decoding").
+#   With --data-parallel-size > 1 vLLM drops num_speculative_tokens_per_batch_size with a warning and serves the
+#     static num_speculative_tokens (VllmConfig._maybe_disable_dynamic_sd_for_data_parallel, vllm/config/vllm.py,
+#     vLLM 0.32.0: "DP divergence and deadlocks").
 #   adaptive_verification_ema_alpha: UNCONFIRMED as a documented key (only in vllm PR #47808's description, DSpark,
 #     default 0.8, and vllm-ascend code); never emitted.
 VLLM_METHOD = "dflash"
@@ -73,8 +76,13 @@ class Deploy:
 
     @property
     def no_speculation_from(self) -> Optional[int]:
-        """The first load where the load check measured b*(c) no faster than AR (K = 0 from it on), or None."""
-        dropped = [int(c) for c, v in ((self.load_check or {}).get("loads") or {}).items() if not v["kept"]]
+        """The first load where tune's load check left no speculation (a checked load whose verdicts serve b = 1, or
+        one the monotone fit covers), or None."""
+        from pipeline.evaluation.load_check import served
+
+        check = self.load_check or {}
+        dropped = [int(c) for c, v in (check.get("loads") or {}).items() if served(v) == 1]
+        dropped += [int(c) for c in (check.get("inherited") or {})]
         return min(dropped) if dropped else None
 
     @property
@@ -250,10 +258,18 @@ def load_lines(d: Deploy) -> List[str]:
     lines = [f"Train-chosen b by concurrency, no speculation (b = 1) among the options (modelled time per token on "
              f"the label set's train split under the profile's batched seconds per step){checked}: {table}."]
     measured = d.no_speculation_from
+    from pipeline.evaluation.load_check import served
+
     for c, v in sorted(((d.load_check or {}).get("loads") or {}).items(), key=lambda kv: int(kv[0])):
+        small = "".join(f" Then b={x['b']}: {x.get('verdict', '')}, {x['why']}." for x in v.get("small_b", []))
+        serve = served(v)
         lines.append(f"Measured at c={c} (tune's load check, {v['prompts']} val label prompts, {v['repeats']} "
-                     f"repeats in lockstep): b={v['b']} {v['why']}: "
-                     + ("kept." if v["kept"] else f"K = 0 from c = {c} on, where the model had speculated."))
+                     f"repeats {v.get('timing', 'in lockstep')}): b={v['b']} {v.get('verdict', '')}, {v['why']}."
+                     + small + (" Served: " + ("b*(c), as modelled." if serve == v["b"] else
+                                              "no speculation (K = 0) at this load." if serve == 1 else
+                                              f"b={serve} (K = {serve - 1}).")))
+    for c, why in sorted(((d.load_check or {}).get("inherited") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"Not timed at c={c}: K = 0 there by the monotone fit ({why}).")
     ar = sorted(c for c, b in d.schedule.items() if b == 1 and (measured is None or c < measured))
     cross = crossover(d.schedule)
     if ar:
@@ -319,6 +335,18 @@ def sglang_args(d: Deploy, block_size: Optional[int] = None) -> List[str]:
 
 def _shell(words: List[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)  # a path with a space or a quote still pastes as one word
+
+
+def vllm_schedule_command(d: Deploy) -> str:
+    """The whole ``vllm serve`` command of the schedule by load (no --speculative-config where it never speculates)."""
+    spec = vllm_schedule_config(d)
+    remote = ["--trust-remote-code"] if d.trust_remote_code else []
+    return _shell(["vllm", "serve", d.target, *remote, *(["--speculative-config", json.dumps(spec)] if spec else [])])
+
+
+DATA_PARALLEL_NOTE = ("With data parallelism (--data-parallel-size > 1) vLLM drops the schedule and serves the "
+                      "static num_speculative_tokens (its warning: ranks could pick different K and deadlock; "
+                      "vllm/config/vllm.py, vLLM 0.32.0): serve the fixed b above there.")
 
 
 def vllm_command(d: Deploy, **kw) -> str:
@@ -398,6 +426,9 @@ def render(d: Deploy, short: bool = False) -> str:
                f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
         return "\n".join(md)
     md += ["Under load (by concurrency):", ""] + [f"- {x}" for x in load_lines(d)] + [""]
+    if d.schedule:
+        md += ["vLLM, the schedule by load (one server whose concurrency varies):", "", "```bash",
+               vllm_schedule_command(d), "```", "", DATA_PARALLEL_NOTE, ""]
     md += ["By prompt length:", ""] + context_lines(d) + [""]
     md += ["Per-step verify rule:", ""] + [f"- {x}" for x in step] + [""]
     md += ["Per-request block size:", ""] + [f"- {x}" for x in req] + [""]

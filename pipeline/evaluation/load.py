@@ -55,6 +55,7 @@ the memory plan's budget, stages/memory_checks.py; then the methods run in group
 | `latency_mean`, `latency_p50`, `latency_p95` | per request, seconds from its admission (prefill) to its last token |
 | `full_steps`, `full_tokens` | the decode steps with all c rows running (the steady state a server with more requests than slots runs, and what b*(c) models), and the tokens they committed |
 | `full_throughput`, `modelled_full_throughput` | tokens per second over those steps (decode only): measured; the ragged cost model's; null without a full step |
+| `window_throughput` | tokens per second over the full steps of the window all runs of its lockstep share (the turns until the first of them leaves its full steps: `window_throughputs`); the paired measure tune's load check decides on; null when the run had no lockstep partner or a run of its lockstep no full step |
 """
 
 
@@ -81,6 +82,28 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Dict[str, Any]:
     half = _t95(len(d) - 1) * float(d.std(ddof=1)) / math.sqrt(len(d))
     return {"gain": gain, "ci95": [math.expm1(d.mean() - half), math.expm1(d.mean() + half)],
             "repeats": int(len(d))}
+
+
+def window_throughputs(runs: Sequence, c: int) -> List[Optional[float]]:
+    """Tokens per second of runs driven in one lockstep, each over the same window of turns: their first W forwards,
+    W the turn where the first of them left its full steps (all c rows running). Full-step throughputs over each
+    run's whole full phase pair badly: AR's full phase lasts about twice b's (at c = 16, 273 steps against 106), so
+    most of AR's is timed while b is in its tail or done, and a drift there hits AR alone. Paired by the window, AR
+    against b = 4 at c = 16 spread 2.4 % per repeat over the full phases where two identical decodes spread 0.6 %
+    (benchmarks/results/load-check-noise.md). None for every run when one has no full step (or runs alone)."""
+    def last_full(run):
+        idx = [i for i, s in enumerate(run.steps) if s.kind == "decode" and s.rows == c]
+        return idx[-1] if idx else None
+
+    ends = [last_full(r) for r in runs]
+    if len(runs) < 2 or None in ends:
+        return [None] * len(runs)
+    w = min(ends) + 1
+    out = []
+    for run in runs:
+        full = [s for s in run.steps[:w] if s.kind == "decode" and s.rows == c]
+        out.append(sum(s.committed for s in full) / sum(s.draft_seconds + s.verify_seconds for s in full))
+    return out
 
 
 def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[str] = None) -> Dict[str, Any]:
@@ -116,6 +139,7 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
 def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[str, Callable], baselines: Sequence[str],
                      repeats: int, max_new_tokens: int, load_cost=None, seed: int = 0,
                      log: Callable[[str], None] = lambda s: None, max_engines: Optional[int] = None,
+                     until: Optional[Callable[[List[Dict[str, Any]]], bool]] = None,
                      **sampling) -> List[Dict[str, Any]]:
     """Rows for every method of ``choosers`` ({method: choose(i, logits, hidden)}) at concurrency c. Methods whose
     choices coincide for every request share one decode (the first named); ``baselines`` and ``adaptive`` are
@@ -124,7 +148,10 @@ def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[s
 
     ``max_engines`` bounds the engines in lockstep (each holds its own slot caches: the memory plan's choice): a
     repeat's methods then run in groups of that many, adaptive and its baselines in the first group together (their
-    paired ratios stay within one lockstep), the groups one after the other."""
+    paired ratios stay within one lockstep), the groups one after the other.
+
+    ``until(rows)``: asked after each repeat with the rows so far; True ends the repeats there (``repeats`` is then a
+    cap: tune's sequential load check)."""
     choices = _choices(batched, prompts, choosers)
     distinct: Dict[str, str] = {}  # method -> the method whose decode it is
     for m in choosers:
@@ -145,11 +172,16 @@ def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[s
             group = order[g:g + size]
             runs += batched.run_lockstep([lambda j, lg, h, fc=choices[m]: fc[j] for m in group], prompts, c,
                                          max_new_tokens, **sampling)
-        for m, run in zip(order, runs):
-            rows.append(run_row(c, m, rep, run, load_cost))
+        windows = []
+        for g in range(0, len(order), size):
+            windows += window_throughputs(runs[g:g + size], c)
+        for m, run, window in zip(order, runs, windows):
+            rows.append({**run_row(c, m, rep, run, load_cost), "window_throughput": window})
         log(f"c={c} repeat {rep + 1}/{repeats}: {len(order)} methods, {size} at a time in lockstep "
             f"({time.perf_counter() - t0:.1f} s): "
             + ", ".join(f"{m} {r['throughput']:.0f}" for m, r in zip(order, rows[-len(order):])) + " tok/s")
+        if until is not None and until(rows):
+            break
     for m, o in distinct.items():  # the methods that share a decode: its rows under their name
         if o != m:
             rows += [{**r, "method": m, "same_as": o} for r in rows if r["method"] == o and r["same_as"] is None]

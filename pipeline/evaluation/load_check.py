@@ -7,75 +7,143 @@ prompts (adaptive against AR -8.91 % [-16.49, -0.99], benchmarks/results/default
 error there (5-8 %) is larger than the margin it decides on. So at each evaluated load where b*(c) speculates, the
 check times b*(c) against AR in lockstep (pipeline.evaluation.load.evaluate_at_load) on the first
 ``tune.load_prompts`` val prompts of the label set (never the evaluation sets), over the steps with every row running
-(the steady state b*(c) models and a server with more requests than slots runs): b*(c) is kept only when the lower
-end of the paired 95 % interval of its gain is above ``tune.load_min_gain``; otherwise that load, and every larger one
-of the schedule's grid, gets b = 1 (K = 0): speculating only gets relatively dearer as the batch grows. A load
-b*(c) already leaves unspeculated is not checked (the check only takes speculation away). Ray-free.
+(the steady state b*(c) models and a server with more requests than slots runs), repeat after repeat until the
+paired interval settles a verdict (pipeline.evaluation.sequential): **kept**, **dropped** (measured slower) or a
+**tie** (too close to call within ``tune.load_tie``, or the cap reached), which serves the cheaper choice, no
+speculation. Before K = 0 at a load, b = 2 and then 3 are timed there the same way (stages.load_check), and the
+first kept is served.
+
+Each load is decided by its own evidence. A load of the schedule's grid the check did not time keeps the model's
+b*(c), unless it lies above every checked load, two or more loads were checked, their measured gains fall as c
+grows (the monotone fit) and the largest was not kept: then it gets K = 0 too, and the check says so
+(``inherited``). A load b*(c) already leaves unspeculated is not checked (the check only takes speculation away).
+Ray-free.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pipeline.evaluation.load import evaluate_at_load, paired_ratio
+from pipeline.evaluation.sequential import DROPPED, KEPT, TIE, SequentialRule
 
 CHECK_DOC = """
-## `load_check.json`: b*(c) against no speculation, measured (tune.load_prompts, tune.load_repeats)
+## `load_check.json`: b*(c) against no speculation, measured (tune.load_prompts, tune.load_repeats to tune.load_max_repeats)
 
 b*(c), the cost model's fixed b at each load, timed against AR in lockstep on the first `tune.load_prompts` val
-prompts of the label set, at each c > 1 of `evaluate.concurrency` where b*(c) > 1. evaluate (b*(c), the policy's
-fallback at c, no per-step rule where b = 1) and deploy (vLLM's schedule, K = 0 from the first load not kept on)
-read the schedule it leaves (`schedule`).
+prompts of the label set, at each c > 1 of `evaluate.concurrency` where b*(c) > 1, repeat after repeat until a
+verdict. evaluate (the schedule at c, the policy's fallback at c, no per-step rule where b = 1) and deploy (vLLM's
+schedule, K = 0 where the check serves b = 1) read the schedule it leaves (`schedule`).
 
 | key | meaning |
 | --- | --- |
 | `fingerprint` | the policy, the cost profile, the prompts and the settings it was measured with (a rerun with the same keeps it) |
 | `where` | the device and Ray node of the one task that timed it |
 | `model_schedule` | `{c: b}`: b*(c) as train chose it by the cost model |
-| `schedule` | `{c: b}`: what the check leaves: b*(c), or 1 at a load not kept and every larger one |
-| `loads` | `{c: {b, kept, why, full_steps, whole_run, per_repeat, prompts, repeats}}` per checked c: `full_steps` and `whole_run` the measured gain of b over AR (`gain`, paired 95 % `ci95` over the repeats) over the steps with all c rows running and over the whole run; `per_repeat` `{AR, b=N: {throughput, full_throughput}}` tokens per second in each repeat; `kept` whether `full_steps.ci95[0]` > `min_gain` |
-| `min_gain` | `tune.load_min_gain` |
+| `schedule` | `{c: b}`: what the check leaves: `serve` at a checked load, K = 0 at an `inherited` one, else b*(c) |
+| `loads` | `{c: {...}}` per checked c, below |
+| `inherited` | `{c: why}`: unchecked loads given K = 0 by the monotone fit over the checked ones (module docstring) |
+| `unmeasured` | unchecked loads of the grid that keep the model's b*(c) |
+| `min_gain` | `tune.load_min_gain`: the threshold the intervals are held against |
+
+Per checked load (`loads[c]`): `b` (b*(c)); `verdict` (`kept`, `dropped`: the interval's upper end below `min_gain`,
+or `tie`); `kept` (verdict is kept); `why` (the verdict in words); `repeats` (the repeats taken, from
+`tune.load_repeats` up to `tune.load_max_repeats`); `interval` (`gain`, `ci` at `level` per look, `half_width` of the
+log ratio, over `over`: the full steps of the window b and AR shared in lockstep, each run's full steps when they ran
+one after the other, or the whole run where a repeat had no full step); `engines_at_once` (2: b
+and AR in lockstep; 1: the memory plan fits one engine, so they ran one after the other) and `timing` (its words);
+`full_steps`, `whole_run` (the measured gain with a 95 % `ci95` over the repeats, for reading beside evaluate);
+`per_repeat` (`{AR, b=N: {window_throughput, full_throughput, throughput}}` tokens per second in each repeat); `small_b` (where b*(c)
+was not kept: b = 2 and 3 checked the same way, each with these keys); `serve` (the b the check leaves there: b*(c)
+kept, else the first small b kept, else 1); `prompts`.
 """
 
 
-def check_at(batched, prompts: List[List[int]], c: int, b: int, repeats: int, max_new_tokens: int, load_cost=None,
-             seed: int = 0, max_engines: Optional[int] = None, min_gain: float = 0.0,
+OVER = {"window_throughput": "the full steps of the window both shared in lockstep",
+        "full_throughput": "full steps", "throughput": "the whole run"}
+
+
+def _ratios(rows: List[Dict[str, Any]], spec: str):
+    """The paired log ratios of b over AR per repeat: over the window of full steps both shared in lockstep
+    (pipeline.evaluation.load.window_throughputs) where every repeat had one; else over each run's full steps (one
+    engine at a time); else over the whole run (fewer prompts than c)."""
+    by = {m: sorted((r for r in rows if r["method"] == m), key=lambda r: r["repeat"]) for m in ("AR", spec)}
+    n = min(len(by["AR"]), len(by[spec]))
+    pairs = list(zip(by[spec][:n], by["AR"][:n]))
+    key = next((k for k in OVER if pairs and all(a.get(k) and b.get(k) for a, b in pairs)), "throughput")
+    return [math.log(a[key] / b[key]) for a, b in pairs], OVER[key], by
+
+
+def check_at(batched, prompts: List[List[int]], c: int, b: int, rule: SequentialRule, max_new_tokens: int,
+             load_cost=None, seed: int = 0, max_engines: Optional[int] = None, min_gain: float = 0.0,
              log: Callable[[str], None] = lambda s: None, **sampling) -> Dict[str, Any]:
-    """b against AR at c: both decoded in lockstep every repeat; the verdict on the full steps' paired interval."""
+    """b against AR at c, decoded in lockstep each repeat, repeats added until ``rule`` settles a verdict."""
     spec = f"b={b}"  # every request at b (the choosers of pipeline.decoding.batched.fixed, a layer above this one)
     choosers = {"AR": lambda i, logits, hidden: (1, None), spec: lambda i, logits, hidden: (int(b), None)}
-    rows = evaluate_at_load(batched, prompts, c, choosers, ["AR", spec], repeats,
-                            max_new_tokens, load_cost, seed, log=log, max_engines=max_engines, **sampling)
-    by = {m: sorted((r for r in rows if r["method"] == m), key=lambda r: r["repeat"]) for m in ("AR", spec)}
+    rows = evaluate_at_load(batched, prompts, c, choosers, ["AR", spec], rule.max_repeats, max_new_tokens,
+                            load_cost, seed, log=log, max_engines=max_engines,
+                            until=lambda got: rule.verdict(_ratios(got, spec)[0], min_gain) is not None, **sampling)
+    d, over, by = _ratios(rows, spec)
+    verdict = rule.verdict(d, min_gain) or TIE
+    interval = {**rule.interval(d), "over": over}
     whole = paired_ratio([r["throughput"] for r in by[spec]], [r["throughput"] for r in by["AR"]])
     full = None
     if all(r["full_throughput"] for r in by[spec] + by["AR"]):
         full = paired_ratio([r["full_throughput"] for r in by[spec]], [r["full_throughput"] for r in by["AR"]])
-    kept, why = decide(full, whole, min_gain, c, len(prompts))
-    per_repeat = {m: {k: [r[k] for r in by[m]] for k in ("throughput", "full_throughput")} for m in by}
-    return {"b": int(b), "kept": kept, "why": why, "full_steps": full, "whole_run": whole,
-            "prompts": len(prompts), "repeats": int(repeats), "per_repeat": per_repeat, "rows": rows}
+    engines = max(1, min(max_engines or 2, 2))
+    per_repeat = {m: {k: [r.get(k) for r in by[m]] for k in OVER} for m in by}
+    return {"b": int(b), "verdict": verdict, "kept": verdict == KEPT,
+            "why": explain(verdict, interval, rule, min_gain, c, len(prompts)), "repeats": len(d),
+            "interval": interval, "engines_at_once": engines,
+            "timing": "in lockstep" if engines == 2 else "one after the other (the memory plan fits one engine)",
+            "full_steps": full, "whole_run": whole, "prompts": len(prompts), "per_repeat": per_repeat, "rows": rows}
 
 
-def decide(full: Optional[Dict[str, Any]], whole: Dict[str, Any], min_gain: float, c: int,
-           prompts: int) -> tuple:
-    """(kept, why): kept only when the full steps' lower 95 % bound clears ``min_gain``; with no full step at all
-    (fewer prompts than c), the whole run's bound decides."""
-    got, over = (full, "full steps") if full is not None else (whole, f"the whole run ({prompts} prompts < c={c})")
-    ci = got.get("ci95")
-    if ci is None:
-        return False, f"no interval over {over} (one repeat): not speculating unless measured faster"
-    verdict = ci[0] > min_gain
-    return verdict, (f"measured {got['gain']:+.2%} [{ci[0]:+.2%}, {ci[1]:+.2%}] against AR over {over}: lower "
-                     f"bound {'above' if verdict else 'not above'} {min_gain:+.2%}")
+def explain(verdict: str, interval: Dict[str, Any], rule: SequentialRule, min_gain: float, c: int,
+            prompts: int) -> str:
+    lo, hi = interval["ci"]
+    over = interval["over"] + (f" ({prompts} prompts < c={c})" if interval["over"] == "the whole run" else "")
+    said = (f"measured {interval['gain']:+.2%} [{lo:+.2%}, {hi:+.2%}] ({interval['level']:.0%} per look) against AR "
+            f"over {over} in {interval['repeats']} repeats")
+    if verdict == KEPT:
+        return f"{said}: lower end above {min_gain:+.2%}"
+    if verdict == DROPPED:
+        return f"{said}: upper end below {min_gain:+.2%}"
+    if interval["half_width"] <= rule.tie:
+        return f"{said}: a tie (half-width {interval['half_width']:.2%} within tune.load_tie {rule.tie:.2%})"
+    return f"{said}: a tie (no verdict within tune.load_max_repeats {rule.max_repeats})"
+
+
+def served(v: Dict[str, Any]) -> int:
+    """The b a checked load leaves (``serve``; a check written before it had one: b if kept, else 1)."""
+    return int(v["serve"]) if "serve" in v else (int(v["b"]) if v["kept"] else 1)
+
+
+def inherited(model: Dict[int, int], loads: Dict[Any, Dict[str, Any]]) -> Dict[int, str]:
+    """{c: why} for the unchecked loads above every checked one that the monotone fit gives K = 0 (module
+    docstring): two or more checked loads, their gains not rising with c, the largest not served speculation."""
+    checked = sorted(int(c) for c in loads)
+    if len(checked) < 2 or any("interval" not in loads[str(c)] for c in checked):
+        return {}
+    gains = [loads[str(c)]["interval"]["gain"] for c in checked]
+    top = checked[-1]
+    if any(g2 > g1 for g1, g2 in zip(gains, gains[1:])) or served(loads[str(top)]) != 1:
+        return {}
+    why = (f"above c={top}, where K = 0 was measured; the gains at c={checked} ("
+           + ", ".join(f"{g:+.1%}" for g in gains) + ") fall as c grows")
+    return {c: why for c, b in model.items() if c > top and b > 1}
 
 
 def checked_schedule(model: Dict[int, int], loads: Dict[Any, Dict[str, Any]]) -> Dict[int, int]:
-    """The schedule the check leaves: b*(c), or 1 from the smallest load not kept on (larger loads included, checked
-    or not)."""
-    dropped = [int(c) for c, v in loads.items() if not v["kept"]]
-    first = min(dropped) if dropped else None
-    return {int(c): (1 if first is not None and int(c) >= first else int(b)) for c, b in sorted(model.items())}
+    """The schedule the check leaves: each checked load's own verdict (:func:`served`), K = 0 at the loads the
+    monotone fit covers (:func:`inherited`), b*(c) elsewhere."""
+    out = {int(c): int(b) for c, b in sorted(model.items())}
+    for c, v in loads.items():
+        out[int(c)] = served(v)
+    for c in inherited(out, {str(k): v for k, v in loads.items()}):
+        out[c] = 1
+    return out
 
 
 def check_lines(check: Dict[str, Any]) -> List[str]:
@@ -84,8 +152,15 @@ def check_lines(check: Dict[str, Any]) -> List[str]:
         return [f"load check: nothing to check ({check.get('skipped', 'b*(c) = 1 at every evaluated load')})"]
     out = []
     for c, v in sorted(check["loads"].items(), key=lambda kv: int(kv[0])):
-        out.append(f"load check c={c}: b={v['b']} {'kept' if v['kept'] else 'dropped: K = 0 from here on'}, "
-                   f"{v['why']} ({v['prompts']} val label prompts, {v['repeats']} repeats)")
+        verdict = v.get("verdict", KEPT if v["kept"] else DROPPED)
+        small = "".join(f"; b={s['b']} {s.get('verdict', '')}" for s in v.get("small_b", []))
+        out.append(f"load check c={c}: b={v['b']} {verdict}{small}: serves "
+                   f"{'no speculation' if served(v) == 1 else f'b={served(v)}'} ({v['why']}; {v['prompts']} val label "
+                   f"prompts, {v.get('timing', 'in lockstep')})")
+    for c, why in sorted((check.get("inherited") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(f"load check c={c}: not timed, K = 0 ({why})")
+    if check.get("unmeasured"):
+        out.append(f"load check: c in {check['unmeasured']} not timed: the model's b*(c) stands there")
     return out
 
 

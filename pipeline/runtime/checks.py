@@ -113,6 +113,11 @@ def validate(cfg) -> None:
     _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
     _check(cfg.tune.load_prompts >= 0, "tune.load_prompts", "must be >= 0 (0: no load check)")
     _check(cfg.tune.load_repeats >= 2, "tune.load_repeats", "must be >= 2 (the check decides on a paired interval)")
+    _check(cfg.tune.load_max_repeats >= cfg.tune.load_repeats, "tune.load_max_repeats",
+           "must be >= tune.load_repeats (the repeats go on from load_repeats up to it)")
+    _check(0 < cfg.tune.load_alpha < 0.5, "tune.load_alpha", "must be in (0, 0.5) (two-sided, per look)")
+    _check(cfg.tune.load_tie >= 0, "tune.load_tie", "must be >= 0 (a half-width of the log ratio; 0: no tie short "
+           "of the cap)")
     _check(-1 < cfg.tune.load_min_gain, "tune.load_min_gain", "must be > -1 (a gain; 0: measured faster than AR)")
     from pipeline.policy.step_rules import LEARNED, parse_rule
 

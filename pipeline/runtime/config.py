@@ -285,11 +285,16 @@ class TuneConfig:
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
     # The load check (pipeline/evaluation/load_check.py): at each c > 1 of evaluate.concurrency where b*(c) > 1, b*(c)
-    # is timed against AR in lockstep on the first `load_prompts` val prompts (0: no check), `load_repeats` times;
-    # it is kept only when the lower end of its paired 95 % interval over the full steps is above `load_min_gain`,
-    # else that load and every larger one get b = 1 (K = 0).
+    # is timed against AR in lockstep on the first `load_prompts` val prompts (0: no check), from `load_repeats` up to
+    # `load_max_repeats` repeats until its paired interval (level 1 - `load_alpha` per look) settles a verdict
+    # (pipeline/evaluation/sequential.py): kept (lower end above `load_min_gain`), dropped (upper end below it) or a
+    # tie (half-width within `load_tie`, or the cap reached), which serves the cheaper choice, no speculation; before
+    # K = 0 at a load, b = 2 and 3 are timed there the same way.
     load_prompts: int = 64
     load_repeats: int = 3
+    load_max_repeats: int = 10
+    load_alpha: float = 0.02
+    load_tie: float = 0.02
     load_min_gain: float = 0.0
 
 

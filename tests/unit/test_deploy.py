@@ -204,6 +204,14 @@ def test_deploy_prints_vllms_batch_size_schedule_in_its_documented_form(tmp_path
     printed = line.split("--speculative-config ", 1)[1].split("`", 1)[0]
     assert json.loads(shlex.split(printed)[0]) == spec
     assert "SGLang: `--speculative-adaptive-config` takes EAGLE/EAGLE3 with topk 1 only, not DFLASH" in text
+    # the same schedule as a whole command in a code block, to paste as it stands
+    lines = text.splitlines()
+    at = lines.index("vLLM, the schedule by load (one server whose concurrency varies):")
+    assert lines[at + 2] == "```bash" and lines[at + 4] == "```"
+    argv = shlex.split(lines[at + 3])
+    assert argv[:3] == ["vllm", "serve", d.target] and argv[3] == "--speculative-config" and len(argv) == 5
+    assert json.loads(argv[4]) == spec
+    assert "With data parallelism (--data-parallel-size > 1) vLLM drops the schedule" in lines[at + 6]
 
 
 def test_where_not_speculating_is_fastest_the_schedule_says_k0(tmp_path):
@@ -251,19 +259,33 @@ def test_a_load_where_the_check_measured_no_gain_gets_k0_and_says_why(tmp_path):
     d = deploy.load_deploy(run.root)
     assert d.schedule == {1: 6, 4: 8, 16: 10} and d.load_check is None
     assert "Not measured: the schedule is the cost model's alone" in deploy.render(d)
-    why = "measured -3.10% [-9.00%, +2.80%] against AR over full steps: lower bound not above +0.00%"
+    why = "measured -3.10% [-5.00%, -1.20%] (98% per look) against AR over full steps in 5 repeats: upper end below " \
+          "+0.00%"
+    small = [{"b": 2, "verdict": "tie", "why": "measured +0.40% [-1.00%, +1.80%] ...: a tie"},
+             {"b": 3, "verdict": "dropped", "why": "measured -2.00% [-3.00%, -1.00%] ...: upper end below +0.00%"}]
     check = {"model_schedule": {"1": 6, "4": 8, "16": 10}, "min_gain": 0.0,
-             "loads": {"16": {"b": 10, "kept": False, "why": why, "prompts": 64, "repeats": 3}}}
+             "loads": {"16": {"b": 10, "verdict": "dropped", "kept": False, "serve": 1, "why": why, "prompts": 64,
+                              "repeats": 5, "timing": "in lockstep", "small_b": small}}}
     write_json_atomic(check, run.load_check)
     d = deploy.load_deploy(run.root)
     assert d.schedule == {1: 6, 4: 8, 16: 1} and d.no_speculation_from == 16
     spec = deploy.vllm_schedule_config(d)
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 3, 5], [4, 15, 7], [16, 1024, 0]]
     text = deploy.render(d)
-    assert f"Measured at c=16 (tune's load check, 64 val label prompts, 3 repeats in lockstep): b=10 {why}: K = 0 " \
-           "from c = 16 on" in text
+    assert (f"Measured at c=16 (tune's load check, 64 val label prompts, 5 repeats in lockstep): b=10 dropped, {why}. "
+            f"Then b=2: tie, {small[0]['why']}. Then b=3: dropped, {small[1]['why']}. Served: no speculation (K = 0) "
+            "at this load.") in text
     assert "K = 0 at c in [16]: there a verify" not in text  # measured, not modelled: said once, as measured
     assert "Not measured" not in text
+    # b = 2 kept where b*(16) lost: served there, K = 1
+    kept2 = {**check, "loads": {"16": {**check["loads"]["16"], "serve": 2,
+                                       "small_b": [{**small[0], "verdict": "kept"}]}}}
+    write_json_atomic(kept2, run.load_check)
+    d2 = deploy.load_deploy(run.root)
+    assert d2.schedule == {1: 6, 4: 8, 16: 2} and d2.no_speculation_from is None
+    assert deploy.vllm_schedule_config(d2)["num_speculative_tokens_per_batch_size"][-1] == [16, 1024, 1]
+    assert "Served: b=2 (K = 1)." in deploy.render(d2)
+    write_json_atomic(check, run.load_check)
     policy = BlockSizePolicy.from_pretrained(run.policy)
     assert policy.at_load(16, fallback=d.schedule[16]).answers_ar and not policy.at_load(16).answers_ar
     write_json_atomic({**check, "model_schedule": {"1": 6, "4": 8, "16": 8}}, run.load_check)  # another policy's

@@ -337,6 +337,19 @@ def _shell(words: List[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)  # a path with a space or a quote still pastes as one word
 
 
+# What vLLM 0.32.0's own source says of enable_adaptive_verification (checked in the installed package): the field's
+# docstring "Currently only supported for method=\"dspark\"" (vllm/config/speculative.py), its only model-runner
+# wiring in the GPU Model Runner V2 (vllm/v1/worker/gpu/model_runner.py, warmup.py), and a refusal beside
+# use_local_argmax_reduction for any method but dspark. The docs page (docs/features/speculative_decoding/
+# adaptive_verification.md, vllm PR #52228) lists DFlash, with Model Runner V2, full CUDA graphs, no LoRA and no
+# pipeline parallelism: those four are the page's, not verified here.
+ADAPTIVE_CONDITIONS = ("Conditions: vLLM 0.32.0's own docstring still says enable_adaptive_verification is "
+                       "\"only supported for method='dspark'\" (vllm/config/speculative.py) and wires it only in the "
+                       "GPU Model Runner V2; its docs (vllm PR #52228) add DFlash with full CUDA graphs, no LoRA, no "
+                       "pipeline parallelism and not with use_local_argmax_reduction: check your build before "
+                       "serving it.")
+
+
 def vllm_schedule_command(d: Deploy) -> str:
     """The whole ``vllm serve`` command of the schedule by load (no --speculative-config where it never speculates)."""
     spec = vllm_schedule_config(d)
@@ -387,7 +400,8 @@ def per_step_lines(d: Deploy) -> List[str]:
     adaptive = shlex.quote(json.dumps(vllm_speculative_config(d, bm, adaptive=True)))
     return [head,
             f"vLLM, nearest: `--speculative-config {adaptive}` "
-            f"(adaptive verification: a per-request prefix of the b_max block, each step). Relation: {relation}.",
+            f"(adaptive verification: a per-request prefix of the b_max block, each step). Relation: {relation}. "
+            + ADAPTIVE_CONDITIONS,
             f"SGLang: no per-step verify control is documented for {SGLANG_ALGORITHM} (the nearest, "
             "`--speculative-algorithm DFLASH_CONFIDENCE` of sglang PR #36136, is unmerged and unconfirmed); deploy "
             f"the fixed b there. `--speculative-dflash-draft-window-size N` (N >= the block size) bounds the draft's "

@@ -73,6 +73,7 @@ class Deploy:
     schedule: Optional[Dict[int, int]] = None  # b*(c), the train-chosen b at each concurrency (policy.json)
     context: Optional[Dict[int, Any]] = None  # c -> the train split's ContextTable (tau and best b by prompt length)
     load_check: Optional[Dict[str, Any]] = None  # tune/load_check.json where it shaped ``schedule``, else None
+    sweep: Optional[Dict[str, Any]] = None  # --cost-profile a vLLM sweep: its own best K, acceptance, rejects
 
     @property
     def no_speculation_from(self) -> Optional[int]:
@@ -121,6 +122,48 @@ def serving_profile(path):
     return CostProfile.from_dict(sweep_profile(got.points, str(path), got.rejects))
 
 
+def sweep_summary(folder, serving, run: RunLayout, candidates: List[int]) -> Dict[str, Any]:
+    """What a vLLM sweep says beside the schedule deploy re-chose from it: the K vLLM's own tuner picks at each c
+    (pipeline.policy.vllm_sweep.vllm_tune_choice), the acceptance length the server measured per (c, b) against the
+    label set's mean tau at that b, and the runs it could not use."""
+    import numpy as np
+
+    from pipeline.io.shards import list_shards
+    from pipeline.io.storage import read_table
+    from pipeline.policy.vllm_sweep import read_sweep, vllm_tune_choice
+
+    taus = [row for shard in list_shards(run.labels) for row in read_table(shard, columns=["tau"]).column(
+        "tau").to_pylist()]
+    labels = {b: float(np.mean([t[i] for t in taus])) for i, b in enumerate(candidates)} if taus else {}
+    return {"server_k": vllm_tune_choice(read_sweep(folder).points),
+            "acceptance": {int(c): {int(b): float(t) for b, t in by_b.items()}
+                           for c, by_b in (serving.meta.get("acceptance_length") or {}).items()},
+            "labels_tau": labels, "rejects": list(serving.meta.get("rejects") or [])}
+
+
+def sweep_lines(d: Deploy) -> List[str]:
+    """The sweep used whole: the server's own best K beside ours, its acceptance against the labels' tau, its
+    rejected runs."""
+    s = d.sweep
+    ours = d.schedule or {}
+    lines = ["K by load, vLLM's own tuner (tune_speculative_k's defaults on the sweep's output throughput) beside "
+             "this schedule's: " + ", ".join(f"c={c}: vLLM K={k}, ours K={max(ours.get(c, 1) - 1, 0)}"
+                                              if c in ours else f"c={c}: vLLM K={k}, ours not on the grid"
+                                              for c, k in sorted(s["server_k"].items())) + "."]
+    for b in sorted({b for by_b in s["acceptance"].values() for b in by_b if b > 1}):
+        measured = ", ".join(f"{by_b[b]:.2f} at c={c}" for c, by_b in sorted(s["acceptance"].items()) if b in by_b)
+        tau = s["labels_tau"].get(b)
+        lines.append(f"K={b - 1} (b={b}): the server's acceptance length {measured}; the labels' mean tau at b={b}: "
+                     + (f"{tau:.2f}" if tau is not None else "not labelled (b outside the candidates)") + ".")
+    rejects = s["rejects"]
+    def where(r):
+        return r["file"] + ("" if r.get("record") is None else f" (record {r['record']})")
+
+    lines.append(f"Rejected runs: {len(rejects)}" + ("" if not rejects else ": " + "; ".join(
+        f"{where(r)}: {r['reason']}" for r in rejects)) + ".")
+    return lines
+
+
 def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile):
     """(the train-chosen b, the schedule b*(c) or None) again, under another machine's cost profile (a serving
     machine's `blockpilot profile`, or a vLLM sweep imported by pipeline.policy.vllm_sweep): the same rules train
@@ -157,7 +200,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     info = json.loads(meta.read_text())
     cfg = OmegaConf.create((run.train / CONFIG).read_text())
     train_b = train_chosen_block_size(info)
-    sched, check = None, None
+    sched, check, sweep = None, None, None
     if cost_profile is None:
         if info.get("schedule"):
             from pipeline.evaluation.load_check import check_for, checked_schedule
@@ -172,6 +215,8 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     else:
         serving = serving_profile(cost_profile)
         b, sched = rechoose(run, info, cfg.train, serving)
+        if serving.meta.get("source") == "vllm bench sweep serve":
+            sweep = sweep_summary(location(cost_profile), serving, run, [int(c) for c in info["candidates"]])
         chosen_on = (f"the label set's train split, by modelled time per token under the serving machine's cost "
                      f"profile ({cost_profile}{', imported from a vLLM sweep' if serving.meta.get('source') else ''})"
                      f"; under the labelling machine's, train chose b={train_b}")
@@ -185,7 +230,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
-        schedule=sched, load_check=check,
+        schedule=sched, load_check=check, sweep=sweep,
         context=context_tables(run, cfg.train, info, None if cost_profile is None else serving))
 
 
@@ -440,6 +485,8 @@ def render(d: Deploy, short: bool = False) -> str:
                f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
         return "\n".join(md)
     md += ["Under load (by concurrency):", ""] + [f"- {x}" for x in load_lines(d)] + [""]
+    if d.sweep:
+        md += ["The vLLM sweep (--cost-profile):", ""] + [f"- {x}" for x in sweep_lines(d)] + [""]
     if d.schedule:
         md += ["vLLM, the schedule by load (one server whose concurrency varies):", "", "```bash",
                vllm_schedule_command(d), "```", "", DATA_PARALLEL_NOTE, ""]

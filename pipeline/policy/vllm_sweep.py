@@ -13,7 +13,8 @@ seconds per batched decode step at every (b, c) it ran, b = K + 1. Ray-free. Fro
 * ``vllm/benchmarks/sweep/tune_speculative_k.py`` (commit 318528f63c2d): K is ``speculative_config.``
   ``num_speculative_tokens_per_batch_size`` (a ``[[start, end, K]]`` schedule) or ``...num_speculative_tokens``,
   flat dotted or nested; it reads every ``summary.json``, and so does :func:`read_sweep` (values stay typed; a bad
-  file costs only its combination), ``summary.csv`` only when there is none. No K, no spec metrics: K = 0, tau = 1.
+  file costs only its combination), ``summary.csv`` only when there is none. No speculative config, no K, no spec
+  metrics: K = 0, tau = 1; a speculative config without a K is refused, not read as K = 0.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def _point(rec: Any, file: str) -> SweepPoint:
     thr, tpot, k = _num(rec, "output_throughput"), _num(rec, "mean_tpot_ms"), _k_of(rec, c)
     if k is None and _get(rec, "spec_decode_acceptance_length") is not None:
         raise ValueError("speculative metrics but no K in the record (set it in the serve params, not the serve cmd)")
+    spec = _get(rec, "speculative_config")
+    if k is None and (spec not in (None, {}, "") or any(str(key).startswith("speculative_config.") for key in rec)):
+        raise ValueError("a speculative run (speculative_config set) with no K and no acceptance metrics: refused, "
+                         "not read as K = 0")
     tau, per = 1.0, None
     if k:  # a K = 0 step yields one token per request, whatever the counters say
         tau = _num(rec, "spec_decode_acceptance_length")

@@ -101,11 +101,14 @@ def test_k_is_read_in_every_spelling_the_sweep_records(tmp_path):
             {**base, "speculative_config": json.dumps({"method": "eagle3", "num_speculative_tokens": 3})},
             {**base, "speculative_config": {"num_speculative_tokens": 7,  # the schedule at c = 4 wins
                                             "num_speculative_tokens_per_batch_size": [[1, 2, 7], [3, 1024, 3]]}},
-            base]  # speculative metrics, K set in the serve command: not knowable, rejected
+            base,  # speculative metrics, K set in the serve command: not knowable, rejected
+            {k: v for k, v in {**base, "speculative_config": {"method": "dflash"}}.items()
+             if not k.startswith("spec_decode")}]  # speculating, no K and no metrics: refused, not K = 0
     (tmp_path / "summary.json").write_text(json.dumps(recs))
     points, rejects = read_sweep(tmp_path)
     assert [p.k for p in points] == [3, 3, 3]
-    assert [r["record"] for r in rejects] == [3] and "no K" in rejects[0]["reason"]
+    assert [r["record"] for r in rejects] == [3, 4] and "no K" in rejects[0]["reason"]
+    assert "refused, not read as K = 0" in rejects[1]["reason"]
 
 
 def test_the_profile_round_trips_and_costs_each_measured_step_as_tpot_times_tau(sweep, tmp_path):
@@ -206,3 +209,12 @@ def test_deploy_takes_a_sweep_folder_as_its_cost_profile(tmp_path, capsys):
     assert main(["deploy", str(run.root), "--cost-profile", str(DATA)]) == 0
     printed = capsys.readouterr().out
     assert json.dumps(ranges, separators=(",", ":")) in printed.replace(" ", ""), printed  # the sweep's schedule
+    # the sweep used whole: vLLM's own choice beside ours, the server's acceptance against the labels' tau, rejects
+    assert d.sweep["server_k"] == vllm_tune_choice(read_sweep(DATA).points) == {1: 7, 4: 3, 16: 0}
+    assert "c=1: vLLM K=7, ours K=" in printed and "c=16: vLLM K=0, ours K=0" in printed
+    tau8 = d.sweep["labels_tau"][8]
+    assert f"K=7 (b=8): the server's acceptance length 3.90 at c=1, 3.86 at c=4, 3.88 at c=16; the labels' mean tau " \
+           f"at b=8: {tau8:.2f}." in printed
+    assert "Rejected runs: 0." in printed
+    bad = dataclasses.replace(d, sweep={**d.sweep, "rejects": [{"file": "a/summary.json", "record": 2, "reason": "x"}]})
+    assert deploy.sweep_lines(bad)[-1] == "Rejected runs: 1: a/summary.json (record 2): x."

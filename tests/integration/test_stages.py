@@ -725,7 +725,9 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     # (A "kept" verdict is not timed here: at 2 repeats its interval's t = 31.8 lets one stalled repeat put even a
     # -99.9 % margin out of reach; the verdict's rule and the schedule it leaves are tests/unit/test_load_check.py's.
     # A margin of +1000 % no measurement clears is certain.)
-    cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "tune.load_min_gain=10.0")
+    # (alpha 0.4 per look: at FAST's 2 repeats a 98 % interval has t = 31.8, wide enough on a loaded machine to
+    # reach +1000 % and call a tie at the cap; the rule's own statistics are tests/unit/test_load_verdict.py's)
+    cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "tune.load_min_gain=10.0", "tune.load_alpha=0.4")
     forced = run_check(cfg, TuneStage(cfg))
     assert sorted(int(c) for c in forced["loads"]) == speculating
     for v in forced["loads"].values():  # b*(c) dropped, then b = 2 and 3 timed there and dropped too: K = 0

@@ -39,6 +39,8 @@ def ids(folder) -> list:
                   ["prompt_id"].to_pylist())
 
 
+# Over 120 s (159-208 s in the suite): five CLI runs, each with its own local Ray (prepare, label killed, label
+# rerun, train killed, train rerun), because each kill and resume must go through the bucket from a fresh process.
 @pytest.mark.faults
 def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket, fault_row):
     out = f"{s3_bucket}/run"

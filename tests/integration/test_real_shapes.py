@@ -41,7 +41,7 @@ SETTINGS = [
 ]
 
 
-# Over 120 s (112 s alone, 220 s beside the suite's heaviest modules): every stage at V = 151,936, where each logits
+# Over 120 s (112-220 s in the suite, by what runs beside it): every stage at V = 151,936, where each logits
 # row is 600 KB and the label, train and evaluate stages move them for real; that vocabulary is what it proves.
 def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory):
     work = tmp_path_factory.mktemp("real-shapes")

@@ -138,7 +138,7 @@ def check_replay(device: str, dtype: torch.dtype, prompts: int, max_new: int, na
     target, draft = _random_8b_pair(device, dtype, narrow)
     big = Engine(target, draft, stop_token_ids=[target.config.eos_token_id])
     g = torch.Generator().manual_seed(0)
-    big_prompts = [torch.randint(0, 151930, (1, 48), generator=g).to(device) for _ in range(max(2, prompts // 4))]
+    big_prompts = [torch.randint(0, 151930, (1, 48), generator=g).to(device) for _ in range(max(1, prompts // 4))]
     qwen = _agreement(big, big_prompts, candidate_block_sizes(16, 2), max_new)
     qwen["shapes"] = "Qwen3-8B widths at 1/32 (CPU smoke run)" if narrow else "Qwen3-8B widths, 4 target layers"
     return {"tiny_pair": tiny, "random_8b_shapes": qwen,

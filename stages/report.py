@@ -128,22 +128,31 @@ def train_section(train_dir: Path, labels_dir: Path, out: Path) -> List[str]:
     val = pl.concat(rows)
     if val.height:
         x = torch.from_numpy(np.stack(val["logits"].to_numpy()).astype(np.float32))
-        pred = policy.choose_batch(x)
+        cm, names = confusion(policy, x, val[label_col].to_list())
         cands = policy.candidates
-        cm = np.zeros((len(cands), len(cands)), dtype=int)
-        for t, p in zip(val[label_col].to_list(), pred):
-            cm[cands.index(t), cands.index(p)] += 1
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(4.5, 4))
+        fig, ax = plt.subplots(figsize=(4.5 + 0.8 * (len(names) - len(cands)), 4))
         ax.imshow(cm, cmap="Blues")
         for i in range(len(cands)):
-            for j in range(len(cands)):
+            for j in range(len(names)):
                 ax.text(j, i, str(cm[i, j]), ha="center", va="center")
-        ax.set(xticks=range(len(cands)), yticks=range(len(cands)), xticklabels=cands, yticklabels=cands,
+        ax.set(xticks=range(len(names)), yticks=range(len(cands)), yticklabels=cands,
                xlabel="policy's choice", ylabel="label", title="Confusion matrix (val)")
+        ax.set_xticklabels(names, rotation=30 if len(names) > len(cands) else 0, ha="right" if len(names) > len(cands) else "center")
         _save(fig, out / "confusion.png")
         md += ["![confusion matrix](confusion.png)", ""]
     return md
+
+
+def confusion(policy, logits, labels: List[int]):
+    """The val confusion counts [label, action] and the actions' names. Rows: the label (a candidate b); columns:
+    the policy's actions, the candidates then its rule actions, whose b_max need not be a candidate (b_max = 10 over
+    candidates 7..9 once crashed this table)."""
+    names = [a.name for a in policy.actions]
+    cm = np.zeros((len(policy.candidates), len(names)), dtype=int)
+    for t, a in zip(labels, policy.choose_actions(logits)):
+        cm[policy.candidates.index(int(t)), policy.actions.index(a)] += 1
+    return cm, names
 
 
 def eval_section(eval_dir: Path, out: Path) -> List[str]:

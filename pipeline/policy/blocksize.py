@@ -272,8 +272,12 @@ class BlockSizePolicy:
         """The block size for one prompt (a rule action's b_max): :meth:`choose_action`'s."""
         return self.choose_action(logits, min_gain).block_size
 
+    def choose_actions(self, logits, min_gain: float = 0.0) -> List[Action]:
+        """The action for each prompt of a batch of logits [N, V]."""
+        return [self.actions[i] for i in self.decide(self.scores(logits), min_gain)]
+
     def choose_batch(self, logits, min_gain: float = 0.0) -> List[int]:
-        return [self.actions[i].block_size for i in self.decide(self.scores(logits), min_gain)]
+        return [a.block_size for a in self.choose_actions(logits, min_gain)]
 
     def save_pretrained(self, folder: Union[str, Path]) -> None:
         from safetensors.torch import save

@@ -25,9 +25,10 @@ def dry_run(out: Path, **env):
                           timeout=900)
 
 
-# Over 120 s (150 s alone, 180-210 s in the suite): the script's eight steps each start a fresh interpreter (about
-# 5 s of imports each), and its pipeline step starts a local Ray and runs all six stages (58 s); what it proves is
-# that every step of the GPU script runs and writes what its summary reads, which a smaller run cannot show.
+# Over 120 s (126 s alone on a quiet machine, 2026-12-05; 150 s before the dry run's replay and pipeline were cut):
+# the script's eight steps each start a fresh interpreter (~4 s of imports each), its pipeline step starts a local
+# Ray and runs all six stages (45 s: label 13, Ray Train 14, evaluate 9), and vLLM starts once (18 s). What it proves
+# is that every step of the GPU script runs and writes what its summary reads, which a smaller run cannot show.
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu-check"
     proc = dry_run(out)
@@ -42,14 +43,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert engine["ids_equal_dflash"] == engine["steps_equal_dflash"] == engine["lossless_vs_greedy"] == 20, engine
     assert f"ids = dflash 20/20, steps = dflash 20/20, lossless vs plain greedy 20/20" in summary, summary
     replay = json.loads((out / "replay-cpu-float32.json").read_text())  # fp32 on CPU: replay is exact there
-    for pair, prompts in (("tiny_pair", 5), ("random_8b_shapes", 2)):
+    for pair, prompts in (("tiny_pair", 5), ("random_8b_shapes", 1)):
         r = replay[pair]
         assert r["prompts"] == prompts and r["labels_equal"] == r["tau_equal"] == r["committed_equal"] == prompts, r
 
     # the pipeline ran on the device and wrote what the summary reads
     headline = json.loads((out / "run" / "report" / "summary.json").read_text())["headline"]
     assert headline["modelled"]["adaptive"] > 0 and f"adaptive {headline['modelled']['adaptive']:.2f}x" in summary
-    assert (out / "run" / "tune" / "step_rule.json").exists() and (out / "run" / "eval" / "load.json").exists()
+    assert (out / "run" / "tune" / "step_rule.json").exists() and (out / "run" / "eval" / "results.parquet").exists()
     workers = json.loads((out / "run" / "labels" / "manifest.json").read_text())["workers"]
     assert len(workers) == 1 and workers[0]["device"].startswith("cpu"), workers
     assert "enable_gqa:" in summary and "throughput: ratio batched/naive" in summary, summary

@@ -243,3 +243,45 @@ def blockpilot(stage: str, *overrides: str, timeout: float = 300, env: Optional[
     finally:
         run.kill() if run.proc.poll() is None else run.reap()
     return run
+
+
+class InProcess:
+    """What :func:`blockpilot_here` returns: the CLI's exit status and its lines, as :class:`Run` has them."""
+
+    def __init__(self, rc: int, output: str):
+        self.rc, self.output = rc, output
+        self.lines = output.splitlines()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+def blockpilot_here(stage: str, *overrides: str) -> InProcess:
+    """The CLI's entry point (``stages.cli.main``) called in this process, on the session's Ray
+    (tests/conftest.py::ray_session) instead of a local Ray of its own: for tests of what a stage writes, says or
+    refuses, which a fresh interpreter and Ray start-up (10-15 s a run on this machine) add nothing to. Its stdout
+    and stderr are captured together; the log's handlers and level and the environment the CLI sets are put back
+    afterwards. The Ray lifecycle of a real run (start, kill, nothing left) stays the subprocess tests'
+    (:func:`blockpilot`)."""
+    import contextlib
+    import io
+    import logging
+
+    from pipeline.runtime.log import ROOT
+    from stages.cli import main
+
+    logger = logging.getLogger(ROOT)
+    handlers, level, environ = list(logger.handlers), logger.level, dict(os.environ)
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main([stage, *overrides])
+            except SystemExit as err:  # argparse's refusals
+                rc = err.code
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        os.environ.clear()
+        os.environ.update(environ)
+    return InProcess(rc, buf.getvalue())

@@ -1,4 +1,5 @@
-"""What a user meets first on a cluster, through the CLI and a real local Ray: ``blockpilot preflight``'s table and its
+"""What a user meets first on a cluster, through the CLI and real Ray (the preflight's own local Ray in a fresh
+process; the refusals through the CLI's entry point on the session's Ray): ``blockpilot preflight``'s table and its
 refusals, a checkpoint whose tensors do not match its class, and a draft changed in place under a label folder.
 
 The checkpoints are copies of the bundled pair with one tensor renamed (safetensors rewritten, config.json kept):
@@ -18,7 +19,7 @@ from conftest import FAST
 
 from pipeline import ASSETS
 
-from .conftest import blockpilot
+from .conftest import blockpilot, blockpilot_here
 
 RENAMED = {"draft": ("fc.weight", "fc_renamed.weight"),
            "target": ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj_renamed.weight")}
@@ -57,12 +58,12 @@ def fresh(prompts, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["draft", "target"])
-def test_a_renamed_tensor_is_refused_naming_it(kind, prompts, tmp_path):
+def test_a_renamed_tensor_is_refused_naming_it(kind, prompts, tmp_path, ray_session):
     out = fresh(prompts, tmp_path)
     model = copy_with(tmp_path, kind, rename(kind))
-    run = blockpilot("label", f"output_dir={out}", *FAST, f"model.{kind}={model}")
+    run = blockpilot_here("label", f"output_dir={out}", *FAST, f"model.{kind}={model}")
     old, new = RENAMED[kind]
-    assert run.proc.returncode == 1, run.tail()
+    assert run.rc == 1, run.tail()
     error = [x for x in run.lines if x.startswith("blockpilot label: error: ")]
     assert error and f"model.{kind}: " in error[0] and f"missing 1: {old}" in error[0] \
         and f"unexpected 1: {new}" in error[0], run.tail()
@@ -70,13 +71,13 @@ def test_a_renamed_tensor_is_refused_naming_it(kind, prompts, tmp_path):
     assert not (out / "labels" / "_SUCCESS").exists() and not list((out / "labels").glob("part-*.parquet"))
 
 
-def test_a_draft_changed_in_place_is_refused_on_rerun(prompts, tmp_path):
+def test_a_draft_changed_in_place_is_refused_on_rerun(prompts, tmp_path, ray_session):
     """Same path, same config.json, new weights (a draft retrained in place): a rerun of label refuses, naming the
     draft's revision before and after; the folder's fingerprint holds the resolved dtype and device kind."""
     out = fresh(prompts, tmp_path)
     draft = copy_with(tmp_path, "draft", lambda t: None)
-    first = blockpilot("label", f"output_dir={out}", *FAST, f"model.draft={draft}")
-    assert first.proc.returncode == 0, first.tail()
+    first = blockpilot_here("label", f"output_dir={out}", *FAST, f"model.draft={draft}")
+    assert first.rc == 0, first.tail()
     fp = json.loads((out / "labels" / "fingerprint.json").read_text())
     assert (fp["dtype"], fp["device"]) == ("float32", "cpu") and fp["draft_revision"].startswith("sha256:")
     assert set(fp["versions"]) == {"torch", "transformers", "dflash"}
@@ -87,14 +88,14 @@ def test_a_draft_changed_in_place_is_refused_on_rerun(prompts, tmp_path):
     copy_with(tmp_path / "again", "draft", lambda t: t["fc.weight"].mul_(1.01))
     shutil.copy(tmp_path / "again" / "draft" / "model.safetensors", tmp_path / "draft" / "model.safetensors")
     assert (tmp_path / "draft" / "config.json").read_text() == config
-    rerun = blockpilot("label", f"output_dir={out}", *FAST, f"model.draft={draft}")
-    assert rerun.proc.returncode == 1, rerun.tail()
+    rerun = blockpilot_here("label", f"output_dir={out}", *FAST, f"model.draft={draft}")
+    assert rerun.rc == 1, rerun.tail()
     error = [x for x in rerun.lines if x.startswith("blockpilot label: error: ")]
     assert error and "was written with a different config (changed: draft_revision " \
         f"\"{fp['draft_revision']}\" -> \"sha256:" in error[0], rerun.tail()
 
 
-def test_preflight_prints_its_table_and_refuses_naming_the_key(tmp_path):
+def test_preflight_prints_its_table_and_refuses_naming_the_key(tmp_path, ray_session):
     ok = blockpilot("preflight", f"output_dir={tmp_path / 'ok'}", *FAST)
     assert ok.proc.returncode == 0, ok.tail()
     assert ok.ray_sessions, "the preflight's own local Ray left no session in its RAY_TMPDIR"  # what is seen below
@@ -105,8 +106,8 @@ def test_preflight_prints_its_table_and_refuses_naming_the_key(tmp_path):
     assert not (tmp_path / "ok" / ".preflight").exists()  # the probes are cleaned up
 
     (tmp_path / "file").write_text("a file where output_dir's parent should be\n")
-    bad_dir = blockpilot("preflight", f"output_dir={tmp_path / 'file' / 'run'}", *FAST)
-    assert bad_dir.proc.returncode == 1, bad_dir.tail()
+    bad_dir = blockpilot_here("preflight", f"output_dir={tmp_path / 'file' / 'run'}", *FAST)
+    assert bad_dir.rc == 1, bad_dir.tail()
     error = [x for x in bad_dir.lines if x.startswith("blockpilot preflight: error: ")]
     assert error and "output_dir: " in error[0] and "is not writable here" in error[0], bad_dir.tail()
 

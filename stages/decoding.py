@@ -1,8 +1,9 @@
 """What label and evaluate share: a shard stage whose workers decode prompt shards with the target + draft pair.
 
 Prompt shard ``part-N`` becomes output shard ``part-N``. Each worker loads the models once (``setup``); one prompt
-that fails while decoding (CUDA OOM, any error) becomes a ``decode_error`` reject and the rest of its shard
-completes.
+that fails while decoding becomes a ``decode_error`` (or ``out_of_memory``) reject and the rest of its shard
+completes, and a rerun retries it. A failure of the worker's device (a sticky CUDA error, or prompts failing one
+after another) is not turned into rejects: the shard goes to another worker (pipeline.executor.failures).
 """
 
 from __future__ import annotations
@@ -69,11 +70,52 @@ class DecodingStage(ShardStage):
 
         import torch
 
-        m = self.cfg.model
+        m = self.pinned_model
         dtype = resolve_dtype(m.dtype, torch.device(self.runs_on))
         return {"model.target": model_provenance(m.target, m.target_revision, "model.target"),
                 "model.draft": model_provenance(m.draft, m.draft_revision, "model.draft"),
                 "dtype": str(dtype).replace("torch.", ""), "device": self.runs_on, "versions": software_versions()}
+
+    REVISIONS = (("model.target", "target", "target_revision"), ("model.draft", "draft", "draft_revision"))
+
+    def recorded_revisions(self) -> Dict[str, str]:
+        """The revisions the labels were made with (labels/fingerprint.json: ``target_revision``,
+        ``draft_revision``); {} for the label stage itself."""
+        return {}
+
+    @cached_property
+    def pinned_model(self):
+        """cfg.model with the hub commits the labels were made with, where the config leaves a revision null: a
+        draft pushed to "main" between label and evaluate is not evaluated by accident (issue #51)."""
+        from dataclasses import replace
+
+        m, recorded = self.cfg.model, self.recorded_revisions()
+        pins = {field: recorded[field] for _, _, field in self.REVISIONS
+                if getattr(m, field) is None and not str(recorded.get(field) or "sha256:").startswith("sha256:")}
+        return replace(m, **pins) if pins else m
+
+    def check_revisions(self) -> None:
+        """Refuses a model that is not the one the labels were made with (another commit, or a local folder whose
+        weights changed), naming both revisions."""
+        recorded, p = self.recorded_revisions(), self.provenance
+        for key, name, field in self.REVISIONS:
+            was, now = recorded.get(field), p[key]["revision"]
+            if was and now != was:
+                raise ValueError(f"{key}: {getattr(self.cfg.model, name)} is {now} now, but the labels were made with "
+                                 f"{was} (labels/fingerprint.json): set {key}_revision to the labels' commit, or label "
+                                 "again with this model")
+
+    def worker_model(self):
+        """What a worker loads: the pinned model, and for a hub id the commit the driver resolved once for the whole
+        job (its provenance, shipped with the stage), so that no worker resolves "main" again on its own."""
+        from dataclasses import replace
+
+        m, p = self.pinned_model, self.__dict__.get("provenance")
+        if not p:
+            return m
+        pins = {field: p[key]["revision"] for key, _, field in self.REVISIONS
+                if getattr(m, field) is None and p[key]["kind"] == "hub"}
+        return replace(m, **pins) if pins else m
 
     @cached_property
     def longest_prompt(self) -> int:
@@ -100,7 +142,7 @@ class DecodingStage(ShardStage):
     def preflight_spec(self, placement, token: str):
         from pipeline.executor.preflight import PreflightSpec
 
-        m, p = self.cfg.model, self.provenance
+        m, p = self.worker_model(), self.provenance
         return PreflightSpec(self.name, placement.device, m.dtype,
                              models={"model.target": (m.target, m.target_revision),
                                      "model.draft": (m.draft, m.draft_revision)},
@@ -117,11 +159,19 @@ class DecodingStage(ShardStage):
         if worker.threads:
             torch.set_num_threads(worker.threads)
         self.worker = worker
-        self.models = load_models(self.cfg.model)
+        self.models = load_models(self.worker_model())
         stops = self.models.stop_token_ids if self.cfg.decode.stop_on_eos else None
         self.compiled = apply_compile(self.models, self.cfg.engine.compile)
         self.engine = Engine(self.models.target, self.models.draft, stops)
         self.device = f"{self.models.device}/{str(self.models.dtype).replace('torch.', '')}"
+
+    @cached_property
+    def prompt_failures(self):
+        """This worker's prompt failures (pipeline.executor.failures): a sticky device error, or
+        FAILURES_IN_A_ROW prompts failing one after another, raise DeviceFailure out of the shard."""
+        from pipeline.executor.failures import PromptFailures
+
+        return PromptFailures(getattr(getattr(self, "worker", None), "identity", "driver"))
 
     def worker_info(self) -> Dict[str, Any]:
         return {"device": self.device, "compiled": self.compiled}
@@ -140,14 +190,21 @@ class DecodingStage(ShardStage):
 
         t0 = time.perf_counter()
         verbose = self.cfg.progress and verbosity() >= 1
+        failures = self.prompt_failures
         for i, rec in enumerate(table.to_pylist()):
+            reason = None
             try:
                 result = measure(rec)
             except Exception as err:  # noqa: BLE001 - one prompt's failure must not lose the shard
-                if "out of memory" in str(err).lower() and torch.cuda.is_available():
+                reason = failures.failed(err)  # raises DeviceFailure when it is the device's, not the prompt's
+                rejects.add(rec, reason, f"{type(err).__name__}: {err}")
+            if reason is not None:
+                # out of the except block: the exception and its frames (their tensors) are gone before the
+                # allocator's cache is emptied, else it cannot give that memory back
+                if reason == "out_of_memory" and torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                rejects.add(rec, "decode_error", f"{type(err).__name__}: {err}")
                 continue
+            failures.succeeded()
             yield rec, result
             if verbose and (i + 1) % 16 == 0:  # inside a shard, with -v only: the driver reports every shard
                 print(f"[{self.name} {self.worker.identity}] {location(shard).name}: {i + 1}/{table.num_rows} prompts "
@@ -158,3 +215,4 @@ class DecodingStage(ShardStage):
         import torch
 
         return torch.tensor(rec["input_ids"], dtype=torch.long)[None]
+

@@ -29,12 +29,12 @@ from pipeline.evaluation.summary import folded_agreement, summarize
 from pipeline.io.layout import COST_PROFILE, POLICY_FILES, POLICY_META, RunLayout
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Rejects, Worker
-from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, write_parquet_atomic,
-                                write_text_atomic)
+from pipeline.executor.ray.executor import execute
+from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, labels_revisions, list_shards,
+                                write_parquet_atomic, write_text_atomic)
 from pipeline.io.storage import location, read_table
 from pipeline.policy.step_rules import load_rule
 
-from pipeline.executor.ray.executor import execute
 from .decoding import DecodingStage
 from .prepare import PrepareStage
 
@@ -66,6 +66,12 @@ class EvaluateStage(DecodingStage):
 
     def requires(self):
         return [(self.train_dir, "blockpilot train"), (self.prompts, "blockpilot evaluate")]  # see run()
+
+    def recorded_revisions(self) -> Dict[str, str]:
+        return labels_revisions(self.layout.labels)
+
+    def check(self) -> None:
+        self.check_revisions()
 
     @cached_property
     def policy_info(self) -> Dict[str, Any]:

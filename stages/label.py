@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -90,6 +90,9 @@ class LabelStage(DecodingStage):
             **({"logits_precision": self.precision} if self.precision != "fp16" else {}),
             # The engine that measured tau (one folder never mixes engines), and vLLM's version: only when not ours.
             **({"engine": self.engine_name, "engine_version": self.engine_version} if self.uses_vllm else {}),
+            # How the numbers are computed beyond the models and packages: each can change bf16 greedy outputs.
+            "engine_compile": self.cfg.engine.compile, "continuation": self.cfg.label.continuation,
+            "batch_size": self.cfg.label.batch_size,
         }
 
     @property
@@ -249,7 +252,13 @@ class LabelStage(DecodingStage):
                 "label_mode": self.mode_name, "label_engine": self.engine_version,
                 "label_batch_size": self.label_batch_size, "device": self.device,
                 "vocab_size": self.models.vocab_size, "trace_block_size": self.trace_block_size,
-                "logits_precision": self.precision, "worker": self.worker.identity}
+                "logits_precision": self.precision, "worker": self.worker.identity,
+                # what else can change bf16 greedy outputs, as this worker resolved it (issue #51)
+                "engine_compile": self.compiled, "continuation": self.cfg.label.continuation,
+                **device_build(self.models.device)}
+
+    def max_reject_fraction(self) -> Optional[float]:
+        return self.cfg.label.max_reject_fraction
 
     def process_shard(self, input: str, rejects: Rejects) -> pa.Table:
         from pipeline.labelling import labels as labeling
@@ -384,3 +393,12 @@ folder's shards instead).
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     return execute(LabelStage(cfg))
+
+
+def device_build(device) -> Dict[str, Any]:
+    """The GPU model and the CUDA version a worker computed with (None on CPU): a shard's metadata."""
+    import torch
+
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    return {"gpu_model": torch.cuda.get_device_name(device) if cuda else None,
+            "cuda_version": torch.version.cuda if cuda else None}

@@ -23,7 +23,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t0 = time.monotonic()
     stage = LabelStage(cfg)
     ray = init_ray(cfg.ray)
-    pool = RayActorPool(cfg.ray, cfg.workers.wait_s)
+    pool = RayActorPool(cfg.ray, cfg.workers.wait_s, cfg.workers.check_timeout_s)
     pr = PoolRun(pool, ray, stage, [], lambda *a: None)
     log("preflight").info(f"workers: {pr.place.describe()} ({pr.place.why})")
     actors = [pr.new_actor() for _ in range(pr.place.num_workers)]

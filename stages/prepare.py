@@ -69,6 +69,15 @@ class PrepareStage(ShardStage):
             apply_chat_template=p.apply_chat_template, enable_thinking=self.cfg.model.enable_thinking,
             limit=self.limit, section=self.section, log=log)
         size = self.shard_size
+        if self.section == "prepare" and p.shards_per_worker:  # the label prompts: every label worker busy
+            from pipeline.executor.sharding import shard_size_for
+
+            from pipeline.executor.ray.placement import expected_label_workers
+
+            workers = expected_label_workers(self.cfg)
+            size = shard_size_for(len(rows), workers, self.shard_size, p.shards_per_worker)
+            self.stats["sharding"] = {"shard_size": size, "label_workers": workers,
+                                      "shards_per_worker": p.shards_per_worker}
         return Plan(numbered_tasks([rows[i:i + size] for i in range(0, len(rows), size)]), rejects)
 
     def process_shard(self, rows: List[Dict[str, Any]], rejects: Rejects) -> pa.Table:
@@ -76,11 +85,15 @@ class PrepareStage(ShardStage):
 
     def summarize(self, shards: List[Path]) -> Dict[str, Any]:
         return {"duplicates": self.stats["duplicates"], "notes": self.stats["notes"],
-                "sources": {name: s["accepted"] for name, s in self.stats["sources"].items()}}
+                "sources": {name: s["accepted"] for name, s in self.stats["sources"].items()},
+                **({"sharding": self.stats["sharding"]} if "sharding" in self.stats else {})}
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
         per_source = " ".join(f"{name}:{n}" for name, n in summary.get("sources", {}).items())
-        return [f"prompts per source {per_source or 'none'}; {summary.get('duplicates', 0)} duplicates dropped",
+        sharding = summary.get("sharding")
+        cut = (f"; shards of {sharding['shard_size']} for {sharding['label_workers']} label worker(s) "
+               f"(prepare.shards_per_worker={sharding['shards_per_worker']})") if sharding else ""
+        return [f"prompts per source {per_source or 'none'}; {summary.get('duplicates', 0)} duplicates dropped{cut}",
                 *summary.get("notes", [])]
 
     def manifest_extras(self) -> Dict[str, Any]:

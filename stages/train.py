@@ -300,6 +300,19 @@ def _log_start(cfg: PipelineConfig, problem: Problem, use_gpu: bool) -> None:
                           f"{plain(histogram(speed_label(s.tau, problem.costs), problem.action_names))}")
 
 
+def _check_revisions(cfg: PipelineConfig, labels_dir) -> None:
+    """A revision set in the config must be the one the labels were made with: the policy learns that target's
+    logits and that draft's acceptance (train loads no model, so a null revision is the labels' own)."""
+    from pipeline.io.shards import labels_revisions
+
+    recorded = labels_revisions(labels_dir)
+    for key in ("target_revision", "draft_revision"):
+        mine, was = getattr(cfg.model, key), recorded.get(key)
+        if mine and was and not was.startswith("sha256:") and mine != was:
+            raise ValueError(f"model.{key}: {mine} is not the revision the labels were made with ({was}, "
+                             f"{labels_dir}/fingerprint.json): train with the labels' models, or label again")
+
+
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
     t_start = time.monotonic()
     layout = RunLayout(resolve(cfg.output_dir))  # a local folder, or object storage (s3://...)
@@ -310,6 +323,7 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     if not report.ok:
         raise ValueError(f"label dataset {labels_dir} is not valid, train refuses it:\n  " +
                          "\n  ".join(report.problems))
+    _check_revisions(cfg, labels_dir)
     fp = fingerprint(cfg, labels_dir)
     previous = folder.previous_summary(fp)
     if previous is not None:

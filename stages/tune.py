@@ -29,8 +29,9 @@ from pipeline.evaluation.rule_search import adoption_line, family, read_traced, 
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Plan, Rejects, ShardTask
 from pipeline.io.layout import COST_PROFILE, LOAD_CHECK, POLICY_META, STEP_RULE, VERIFY_MODEL, RunLayout
-from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_shards, shard_name, write_json_atomic,
-                                write_parquet_atomic)
+from pipeline.executor.ray.executor import execute
+from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, labels_revisions, list_shards, shard_name,
+                                write_json_atomic, write_parquet_atomic)
 from pipeline.io.storage import location, read_table
 from pipeline.policy.blocksize import train_chosen_block_size
 from pipeline.policy.step_rules import LEARNED
@@ -38,7 +39,6 @@ from pipeline.runtime.config import PipelineConfig
 
 from .decoding import DecodingStage
 from .load_check import run_check
-from pipeline.executor.ray.executor import execute
 
 SIMULATED = "simulated.parquet"
 
@@ -94,7 +94,11 @@ class TuneStage(DecodingStage):
     def rows_per_input(self) -> int:
         return 1 + len(self.confirm_rules)
 
+    def recorded_revisions(self) -> Dict[str, str]:
+        return labels_revisions(self.labels)
+
     def check(self) -> None:
+        self.check_revisions()
         if not (self.policy_dir / COST_PROFILE).exists():
             raise FileNotFoundError(f"{self.policy_dir / COST_PROFILE} is missing: the rules are scored by modelled "
                                     "time, which needs the policy's cost profile (train with a labelling profile)")

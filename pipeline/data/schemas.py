@@ -271,6 +271,12 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "predicted_greedy_seconds, predicted_speculative_seconds (null before this worker measured tau(B)), "
     "block_size, tau (the worker's mean tau(B) so far)}: the cost profile's prediction the choice was made on.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
+    "engine_compile": "Whether the worker's engine ran torch.compile'd (engine.compile as it resolved there).",
+    "continuation": "label.continuation: how replay decoded the target's continuation (the `continuations` key "
+    "says per batch under auto).",
+    "gpu_model": "The worker's GPU (torch.cuda.get_device_name), null on CPU: with cuda_version, what can change "
+    "bf16 greedy outputs beyond the models and packages.",
+    "cuda_version": "The CUDA version torch was built with on the worker (torch.version.cuda), null on CPU.",
     "fingerprint_sha256": "sha256 of the folder's fingerprint.json: a rerun keeps a shard only when it matches.",
 }
 

@@ -7,6 +7,7 @@ only warns and initialises the missing ones at random: labels made with such a m
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -14,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from pipeline.runtime.config import ModelConfig
+from pipeline.runtime.log import get as log
 
 from pipeline import ASSETS
 BUNDLED_PREFIX = "bundled:"
@@ -81,13 +83,52 @@ def hub_commit(repo: str, revision: Optional[str], key: str) -> str:
             raise ModelNotFound(f"{what} could not be resolved: not in the local hub cache (HF_HUB_OFFLINE is set)")
         return commit
     try:
-        return HfApi().model_info(repo, revision=revision).sha
+        api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        return with_hub_retries(lambda: api.model_info(repo, revision=revision).sha, what)
     except Exception as err:  # noqa: BLE001 - any failure to reach it: network, 404, gated, bad revision
         commit = cached_commit(repo, revision)
         if commit is None:
             lines = str(err).strip().splitlines() or [type(err).__name__]
             raise ModelNotFound(f"{what} could not be resolved: {lines[0]}") from err
         return commit
+
+
+# A hub call that fails for a moment (a 429 or 5xx, a dropped connection) is retried with jittered exponential
+# backoff: 64 workers starting at once meet the hub's rate limit together, and one refusal used to refuse the run.
+# (Hand-written: tenacity / backoff would do it, and are not in the stack; huggingface_hub's http_backoff wraps raw
+# requests, not HfApi's calls.)
+HUB_ATTEMPTS = 5  # waits of about 1, 2, 4, 8 s in between
+HUB_RETRY_BASE_S = 1.0
+TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "Timeout", "TransportError", "TimeoutException",
+                    "RemoteProtocolError"}
+
+
+def transient_hub_error(err: BaseException) -> bool:
+    """A failure worth another try: an HTTP status the hub answers when busy, or the connection itself failing
+    (httpx's and requests' exception families, by name). Not a 404, 401, gated repo or bad revision."""
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if status is not None:
+        return status in TRANSIENT_STATUS
+    return bool({c.__name__ for c in type(err).__mro__} & TRANSIENT_ERRORS)
+
+
+def with_hub_retries(call, what: str, attempts: Optional[int] = None, sleep=None):
+    """``call()``, retried on :func:`transient_hub_error` up to ``attempts`` times in all (HUB_ATTEMPTS)."""
+    import random
+    import time
+
+    attempts, sleep = attempts or HUB_ATTEMPTS, sleep or time.sleep
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001 - re-raised unless transient and a try is left
+            if attempt == attempts or not transient_hub_error(err):
+                raise
+            wait = HUB_RETRY_BASE_S * 2 ** (attempt - 1) * (1 + random.random() / 2)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            log("models").warning(f"{what}: {first}; trying again in {wait:.1f} s ({attempt}/{attempts - 1})")
+        sleep(wait)
 
 
 def cached_commit(repo: str, revision: Optional[str]) -> Optional[str]:

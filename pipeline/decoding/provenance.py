@@ -63,14 +63,32 @@ def file_digest(path: Path) -> str:
     hit = _memory.get(real)
     if hit is not None and hit[0] == stat:
         return hit[1]
-    stored = _read_cache().get(real)
-    if isinstance(stored, dict) and stored.get("stat") == stat:
-        digest = stored["sha256"]
-    else:
-        digest = _sha256_file(real)
-        _remember(real, stat, digest)
+    # One hash per file per node: the actors starting together on a node take the file's lock in turn, the first
+    # hashes and stores, the others find it stored (before, all 8 missed the cache and each read 16 GB).
+    with _lock(real):
+        stored = _read_cache().get(real)
+        if isinstance(stored, dict) and stored.get("stat") == stat:
+            digest = stored["sha256"]
+        else:
+            digest = _sha256_file(real)
+            _remember(real, stat, digest)
     _memory[real] = (stat, digest)
     return digest
+
+
+def _lock(real: str):
+    """A node-wide lock for hashing ``real`` (filelock, beside the digest cache); a cache folder that cannot be
+    written gives no lock, and every process hashes on its own as before."""
+    from contextlib import nullcontext
+
+    from filelock import FileLock
+
+    folder = digest_cache_file().parent / "locks"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return nullcontext()
+    return FileLock(str(folder / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".lock")))
 
 
 def _sha256_file(path: str) -> str:
@@ -96,13 +114,14 @@ def _read_cache() -> Dict[str, Any]:
 
 
 def _remember(real: str, stat: List[int], digest: str) -> None:
-    """Store one digest (replacing the file's older entry, so the cache holds one per file). Workers writing at
-    once may drop each other's entries, which only costs a re-hash; an unwritable cache is skipped."""
-    stored = _read_cache()
-    stored[real] = {"stat": stat, "sha256": digest}
+    """Store one digest (replacing the file's older entry, so the cache holds one per file), under the cache's
+    lock; an unwritable cache is skipped."""
     try:
         digest_cache_file().parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(stored, digest_cache_file())
+        with _lock("the digest cache"):  # read, add, write: one writer at a time, so no entry is dropped
+            stored = _read_cache()
+            stored[real] = {"stat": stat, "sha256": digest}
+            write_json_atomic(stored, digest_cache_file())
     except OSError:
         pass
 

@@ -188,6 +188,20 @@ def rechoose(run: RunLayout, info: Dict[str, Any], train_cfg, profile):
                else None)
 
 
+def pinned_draft_revision(cfg, labels) -> Optional[str]:
+    """The draft revision to serve: the config's, else the hub commit the labels were made with (a local folder's
+    sha256 is no revision an engine takes). A configured one that is not the labels' is refused, naming both."""
+    from pipeline.io.shards import labels_revisions
+
+    recorded = labels_revisions(labels).get("draft_revision")
+    commit = None if recorded is None or recorded.startswith("sha256:") else recorded
+    mine = cfg.model.draft_revision
+    if mine and commit and mine != commit:
+        raise ValueError(f"model.draft_revision: {mine} is not the commit the labels were made with ({commit}, "
+                         f"{labels}/fingerprint.json): deploy serves the draft the policy was trained for")
+    return mine or commit
+
+
 def load_deploy(output_dir, cost_profile=None) -> Deploy:
     """The deployment the run folder's artefacts give; ``cost_profile`` (a serving machine's cost_profile.json,
     from `blockpilot profile` there) re-chooses the fixed b for that machine."""
@@ -225,7 +239,8 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     rule_path = run.step_rule
     return Deploy(
         run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
-        draft_note=note, draft_revision=cfg.model.draft_revision, trust_remote_code=bool(cfg.model.trust_remote_code),
+        draft_note=note, draft_revision=pinned_draft_revision(cfg, run.labels),
+        trust_remote_code=bool(cfg.model.trust_remote_code),
         candidates=[int(c) for c in info["candidates"]],
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,

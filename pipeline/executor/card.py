@@ -60,10 +60,13 @@ LAYOUT_DOC = f"""## Folder layout (every stage)
 | `{SUCCESS}` | empty; written last, once every shard is present and valid |
 
 A reject is one JSON object per line: `prompt_id` and `source` where known, `reason`, `detail`, and `worker`
-(decoding stages) or `source_row` and `file` (prepare). Every shard carries the key-value metadata
+(decoding stages) or `source_row` and `file` (prepare). The decoding stages' reasons are `decode_error` (the prompt
+raised while decoding) and `out_of_memory` (it did not fit, alone): a rerun redoes their shards; a failing device
+leaves none (its shards go to another worker). Every shard carries the key-value metadata
 `blockpilot.fingerprint_sha256`, `blockpilot.config_sha256`, `blockpilot.package_version`, `blockpilot.stage` and,
 where it has one, `blockpilot.input_shard`. A shard counts as done on a rerun when its footer reads, it carries the
-folder's fingerprint, its rows plus its rejects account for every input row, and its sha256 equals the one recorded
+folder's fingerprint, its rows plus its rejects account for every input row, none of its rejects is a decoding
+one, and its sha256 equals the one recorded
 when it was written (`{CHECKSUMS_DIR}/`, else the manifest's). The folder may live in object
 storage (`output_dir=s3://...`): every file is then uploaded whole (one PUT, or a multipart upload completed last),
 so an object is visible only once complete, and the same order holds (rejects, shard, manifest, `{SUCCESS}` last).

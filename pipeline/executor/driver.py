@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from pipeline import __version__
 from pipeline.executor.card import front_matter, layout_doc
+from pipeline.executor.failures import RETRIED_REASONS
 from pipeline.executor.folder import StageFolder, require_complete
 from pipeline.executor.local import Execution, LocalExecutor
 from pipeline.executor.manifest import write_manifest
@@ -63,12 +64,48 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
                                   "retry them")
             raise RuntimeError(f"{stage.name}: {len(names)} shard(s) failed after retries: "
                                + "; ".join(execution.failures))
+        _check_visible(stage, plan.tasks, manifest)
         if manifest["rows"] == 0 and manifest["rejects"]:
             first = read_jsonl(stage.folder / REJECTS)[0].get("detail")
             raise RuntimeError(f"{stage.name}: every row failed ({manifest['rejects']} rejects; first: {first})")
+        _check_rejects(stage, manifest)
         return _complete(stage, folder, manifest, execution, t0)
     finally:
         folder.release()
+
+
+def _check_visible(stage: ShardStage, tasks: List[ShardTask], manifest: Dict[str, Any]) -> None:
+    """No _SUCCESS over rows the driver cannot see: every planned shard either failed (raised above) or was written,
+    by this run or an earlier one, so one missing from what the driver reads (the manifest) was written where the
+    driver cannot read it (a disk mounted on the workers' nodes, not on the driver's). Refuses, naming the path."""
+    seen = {f["file"] for f in manifest["files"]}
+    unseen = [t for t in tasks if t.name not in seen]
+    if unseen:
+        raise RuntimeError(f"{stage.name}: {len(unseen)} of {len(tasks)} shard(s) were reported written by the "
+                           f"workers but the driver cannot see them, e.g. {unseen[0].output}: output_dir must be "
+                           "storage that every worker and the driver share (a disk mounted on every node, the "
+                           "head's too, or object storage); nothing was published (no _SUCCESS)")
+
+
+def _check_rejects(stage: ShardStage, manifest: Dict[str, Any]) -> None:
+    """Fails the stage, with no _SUCCESS, when its decoding rejects (RETRIED_REASONS) pass the stage's
+    ``max_reject_fraction()`` of its input rows (the key STAGE.max_reject_fraction: label's), naming each worker's count: many
+    failed prompts mean a broken worker or a bad setting, not bad prompts. The shards stay, and a rerun retries
+    the rejected prompts."""
+    limit = stage.max_reject_fraction()
+    rejects = [r for r in read_jsonl(stage.folder / REJECTS) if r.get("reason") in RETRIED_REASONS] \
+        if limit is not None and manifest["rejects"] else []
+    total = manifest["rows"] // max(1, stage.rows_per_input) + manifest["rejects"]
+    if not rejects or len(rejects) <= limit * total:
+        return
+    by_worker: Dict[str, int] = {}
+    for r in rejects:
+        by_worker[r.get("worker") or "?"] = by_worker.get(r.get("worker") or "?", 0) + 1
+    workers = ", ".join(f"{w}: {n}" for w, n in sorted(by_worker.items(), key=lambda kv: -kv[1]))
+    raise RuntimeError(f"{stage.name}: {len(rejects)} of {total} prompts failed to decode ({len(rejects) / total:.1%}, "
+                       f"over {stage.name}.max_reject_fraction = {limit:.1%}) by worker: "
+                       f"{workers}; first: {rejects[0].get('detail')}. Rerun `blockpilot {stage.name}` to retry "
+                       "them (their shards are redone)")
 
 
 def _recorded_sha256(folder) -> Dict[str, str]:
@@ -108,7 +145,7 @@ def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTa
     todo = []
     for t in plan.tasks:
         why = output_shard_problem(t.output, t.rows, t.rejects, stamp["fingerprint_sha256"], stage.rows_per_input,
-                                   read_checksum(t.checksum) or recorded.get(t.name))
+                                   read_checksum(t.checksum) or recorded.get(t.name), retried=RETRIED_REASONS)
         if why:
             todo.append(t)
             if why != "missing":

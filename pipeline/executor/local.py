@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+from pipeline.executor.failures import DeviceFailure
 from pipeline.executor.stage import Rejects, ShardStage, ShardTask, Worker
 from pipeline.io.shards import encode_metadata, write_jsonl_atomic, write_parquet_atomic
 from pipeline.runtime.log import get as log
@@ -50,16 +51,28 @@ class LocalExecutor:
     def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:
         worker = Worker(self.identity)
         stage.setup(worker)
-        failures = []
+        failures, broken = [], None
         for task in tasks:
+            if broken is not None:  # the one device this process has failed: nothing more runs on it
+                failures.append(f"{task.name}: not run: {broken}")
+                done(task, None, f"not run: {broken}")
+                continue
             for attempt in range(self.retries + 1):
                 try:
                     done(task, run_task(stage, task, worker), None)
+                    break
+                except DeviceFailure as err:  # no other worker to take the shard: it fails, and so does the rest
+                    error = broken = f"{type(err).__name__}: {err}"
+                    log(stage.name).warning(f"{task.name} failed: {error}; no other worker here")
                     break
                 except Exception as err:  # noqa: BLE001 - one shard's failure must not stop the others
                     error = f"{type(err).__name__}: {err}"
                     log(stage.name).warning(f"{task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}")
             else:
+                failures.append(f"{task.name}: {error}")
+                done(task, None, error)
+                continue
+            if broken is not None:
                 failures.append(f"{task.name}: {error}")
                 done(task, None, error)
         return Execution([], failures)

@@ -9,7 +9,8 @@ A worker checks, without loading a weight:
 * ``model.target`` / ``model.draft``: reachable, config and weight index consistent with the class that will load
   them (pipeline.decoding.provenance.check_checkpoint), and the same bytes as the driver recorded (provenance);
 * ``versions``: torch, transformers and dflash as in the driver (they change the numerics);
-* ``output_dir``: a probe written and read back here, then read by every other worker;
+* ``output_dir``: a probe written and read back here, then read by every other worker and by the driver, and the
+  driver's probe read here: storage every node and the driver share;
 * the memory plan (the stage's ``memory_check``: pipeline.decoding.memory) against the device's memory.
 
 Each failure is ``(config key, message)``: the refusal names the node and the key.
@@ -158,8 +159,26 @@ def _output_dir(spec, row: Dict[str, Any]) -> List[Problem]:
     return []
 
 
+def driver_probe(spec) -> Optional[str]:
+    """The driver's own probe under output_dir, which every worker must read (the driver writes the manifest and
+    ``_SUCCESS`` over what they wrote, and the next stage's driver plans from it); None when the driver cannot
+    write there, which the driver's own writable check reports first."""
+    import os
+    import socket
+
+    if not spec.output_dir:
+        return None
+    probe = probe_path(spec, f"driver-{socket.gethostname()}-{os.getpid()}")
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(f"driver {socket.gethostname()} {os.getpid()}\n")
+    except Exception:  # noqa: BLE001 - the stage's writable check says it, naming the folder
+        return None
+    return str(probe)
+
+
 def unreadable(probes: List[str]) -> List[str]:
-    """The probes (written by other workers) this worker cannot read."""
+    """The probes (written by other workers, or the driver) this process cannot read."""
     from pipeline.io.storage import location
 
     bad = []

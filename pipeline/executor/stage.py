@@ -130,6 +130,11 @@ class ShardStage:
     def manifest_extras(self) -> Dict[str, Any]:
         return {}
 
+    def max_reject_fraction(self) -> Optional[float]:
+        """The share of input rows that may end as decoding rejects before the stage fails (the driver's
+        ``_check_rejects``); None: no limit."""
+        return None
+
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
         """After every shard is done, before ``_SUCCESS``: derived outputs; returns extra summary fields."""
         return {}

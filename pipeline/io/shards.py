@@ -12,7 +12,7 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -211,8 +211,26 @@ def shard_problem(path: Path, rows: int, fp_sha: str, sha256: Optional[str]) -> 
 
 
 def output_shard_problem(out_path: Path, input_rows: int, rejects_path: Path, fp_sha: str,
-                         rows_per_input: int = 1, sha256: Optional[str] = None) -> str:
-    """'' when the output shard counts as done: it checks out (:func:`shard_problem`) and its rows plus its rejects
-    account for every input row; else why not."""
-    rejected = len(read_jsonl(rejects_path))
-    return shard_problem(out_path, (input_rows - rejected) * rows_per_input, fp_sha, sha256)
+                         rows_per_input: int = 1, sha256: Optional[str] = None, retried: Sequence[str] = ()) -> str:
+    """'' when the output shard counts as done: it checks out (:func:`shard_problem`), its rows plus its rejects
+    account for every input row, and none of its rejects has a reason a rerun retries (``retried``: a decoding
+    failure, pipeline.executor.failures.RETRIED_REASONS); else why not."""
+    rejects = read_jsonl(rejects_path)
+    again = sorted({r.get("reason") for r in rejects if r.get("reason") in retried})
+    problem = shard_problem(out_path, (input_rows - len(rejects)) * rows_per_input, fp_sha, sha256)
+    if again and not problem:
+        n = sum(r.get("reason") in retried for r in rejects)
+        return f"{n} reject(s) to retry ({', '.join(again)})"
+    return problem
+
+
+def labels_revisions(labels) -> Dict[str, str]:
+    """``target_revision`` and ``draft_revision`` from a label folder's fingerprint.json ({} when there is none):
+    the models the labels were made with, which every later stage and the deployment pin (issue #51)."""
+    from pipeline.io.layout import FINGERPRINT
+
+    path = location(labels) / FINGERPRINT
+    if not path.exists():
+        return {}
+    fp = json.loads(path.read_text())
+    return {k: fp[k] for k in ("target_revision", "draft_revision") if fp.get(k)}

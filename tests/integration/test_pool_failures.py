@@ -214,6 +214,49 @@ def test_workers_that_never_start_are_waited_for_then_refused_naming_the_key(inp
     assert [(k, m.split(":")[0]) for _, k, m in refused.value.problems] == \
         [("scripted.num_workers", "not started within workers.wait_s=6 s")], refused.value.problems
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for workers: ")]
-    counts = [re.match(r"waiting for workers: (\d)/3 up after \d+ s ", m) for m in waiting]
-    assert counts and all(c and int(c.group(1)) < 3 for c in counts), waiting
+    counts = [re.match(r"waiting for workers: (\d)/3 checked, (\d) checking, (\d) not started after \d+ s ", m)
+              for m in waiting]
+    assert counts and all(c and int(c.group(1)) < 3 and int(c.group(3)) >= 1 for c in counts), waiting
     assert list_shards(tmp_path / "out") == [] and not any(tmp_path.glob("*.parquet"))
+
+
+class SlowChecks(Scripted):
+    """Scripted, whose workers' preflight checks take a minute (a large local model folder hashed, storage slow):
+    the stage, unpickled in the actor, slows the checks there."""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        import time
+
+        import pipeline.executor.preflight as checks
+
+        quick = checks.check_worker
+        checks.check_worker = lambda *a, **k: time.sleep(60) or quick(*a, **k)
+
+
+def test_workers_still_checking_are_told_apart_from_workers_not_started(inputs, tmp_path, ray_session, caplog):
+    # Both workers start at once (two fake GPUs) and check for a minute; workers.check_timeout_s is 3 s and
+    # workers.wait_s an hour: they are refused as still checking, under their own key, well before the hour. Before,
+    # one wait clock covered both, and a worker still checking was reported "not started".
+    from pipeline.executor.ray.preflight import PreflightRefused
+
+    stage = SlowChecks(load_config(["progress=false"]), inputs, tmp_path / "out", tmp_path, retries=0)
+    with pytest.raises(PreflightRefused) as refused:
+        run_stage(stage, RayActorPool(stage.cfg.ray, wait_s=3600.0, check_s=3.0))
+    problems = [(k, m.split(" (")[0]) for _, k, m in refused.value.problems]
+    assert problems == [("workers.check_timeout_s", "started, but its checks did not finish within "
+                                                    "workers.check_timeout_s=3 s")], problems  # said once for both
+    assert list_shards(tmp_path / "out") == []
+
+
+def test_probe_reads_that_do_not_answer_are_given_up_on_after_the_check_timeout(ray_session):
+    from pipeline.executor.ray.preflight import _reads
+
+    @ray_session.remote
+    def read(wait):
+        import time
+
+        time.sleep(wait)
+        return []
+
+    assert _reads(ray_session, [read.remote(0), read.remote(120)], timeout=3.0) == [[], None]

@@ -261,7 +261,7 @@ def test_a_failing_prompt_is_rejected_and_the_shard_completes(tmp_path, ray_sess
     from pipeline.decoding.models import load_tokenizer
     from stages import label
 
-    cfg = cfg_for(tmp_path)
+    cfg = cfg_for(tmp_path, "label.max_reject_fraction=0.5")  # 1 of 4: over the default's 1 %, which fails the stage
     rows, _, _ = build_prompts(cfg.prepare.sources, load_tokenizer(cfg.model), 1024, limit=4)
     rows[1] = dict(rows[1], input_ids=[10 ** 7] * 5, prompt_tokens=5)  # no such token: the embedding fails
     (tmp_path / "prompts").mkdir()

@@ -250,7 +250,7 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
                             "profile.context_lengths=[8]", "profile.steps=2", "profile.min_repeats=1",
                             "profile.max_repeats=1", "profile.max_block_size=10", *ONE_SOURCE, *extra])
 
-    cfg = cfg_for(tmp_path / "batched", "label.batch_size=4")
+    cfg = cfg_for(tmp_path / "batched", "label.batch_size=4", "label.max_reject_fraction=0.5")  # 1 of 5 rejected
     rows, _, _ = build_prompts(cfg.prepare.sources, load_tokenizer(cfg.model), 1024, limit=5)
     rows[1] = dict(rows[1], input_ids=[10 ** 7] * 5, prompt_tokens=5)  # no such token: the embedding fails
     for out in ("batched", "single"):
@@ -265,7 +265,8 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
     assert rejects[0]["prompt_id"] == rows[1]["prompt_id"] and rejects[0]["reason"] == "decode_error"
     assert "index" in rejects[0]["detail"].lower()
     assert validate_dataset(str(tmp_path / "batched" / "labels")).ok
-    run_stage(LabelStage(cfg_for(tmp_path / "single", "label.batch_size=1")), LocalExecutor())
+    run_stage(LabelStage(cfg_for(tmp_path / "single", "label.batch_size=1", "label.max_reject_fraction=0.5")),
+              LocalExecutor())
     cols = ["prompt_id", "tau", "steps", "new_tokens", "label_block_size"]
     assert pq.read_table(tmp_path / "batched" / "labels" / "part-00000.parquet", columns=cols).to_pylist() == \
         pq.read_table(tmp_path / "single" / "labels" / "part-00000.parquet", columns=cols).to_pylist()

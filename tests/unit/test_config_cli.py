@@ -77,8 +77,9 @@ def _sections_read(module: str, seen=None) -> set:
     import re
 
     seen = set() if seen is None else seen
-    # ray_executor.py reads `ray` for the actor pool only, which runs only stages that declare actors (and list `ray`).
-    if module in seen or module == "ray_executor":
+    # (The Ray executor, pipeline/executor/ray/, reads `ray` for the actor pool only, which runs only stages that
+    # declare actors, and list `ray`; relative imports alone are followed, so it is not.)
+    if module in seen:
         return set()
     seen.add(module)
     src = (REPO_ROOT / "stages" / f"{module}.py").read_text()

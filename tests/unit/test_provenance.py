@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,37 @@ def test_a_hub_id_resolves_to_its_cached_commit_offline(tmp_path):
         "model.draft: hub id 'owner/absent' could not be resolved: not in the local hub cache (HF_HUB_OFFLINE is set)",
         f"model.draft: hub id 'owner/name' at revision '{'f' * 40}' could not be resolved: not in the local hub "
         f"cache (HF_HUB_OFFLINE is set)"]
+
+
+def _digest_in_a_process(path, log, start):
+    """A worker starting on the node: waits for the others, then fingerprints the file (each real hash is logged)."""
+    from pipeline.decoding import provenance as p
+
+    hashed = p._sha256_file
+
+    def logged(real):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return hashed(real)
+
+    p._sha256_file = logged
+    while not os.path.exists(start):
+        time.sleep(0.005)
+    return p.file_digest(Path(path))
+
+
+def test_workers_starting_together_on_a_node_hash_a_file_once(tmp_path, digest_cache):
+    """Four processes fingerprint one 64 MB weight file at the same moment: one hashes it, the others wait on its
+    lock and read the stored digest (before the lock, each of them missed the cache and hashed it: four reads)."""
+    import multiprocessing
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(os.urandom(64 * 1024 * 1024))
+    log, start = tmp_path / "hashed.log", tmp_path / "start"
+    with multiprocessing.get_context("fork").Pool(4) as pool:  # (hashing only: no torch in the children)
+        pending = [pool.apply_async(_digest_in_a_process, (str(weights), str(log), str(start))) for _ in range(4)]
+        time.sleep(1.0)
+        start.touch()
+        digests = {p.get(timeout=120) for p in pending}
+    assert len(digests) == 1 and digests == {provenance._sha256_file(str(weights))}
+    assert len(log.read_text().splitlines()) == 1, log.read_text()

@@ -229,7 +229,10 @@ def test_a_stage_command_ends_with_its_done_line_and_a_short_summary(clean_log, 
                        .read_text())
     if stage == "prepare":  # the summary line says what summary.json holds
         assert tail[0].endswith(f"-> {tmp_path / 'prompts'}") and f"done: {saved['rows']} rows" in tail[0]
-        assert tail[1] == f"[prepare] prompts per source code:2 docs:2; {saved['duplicates']} duplicates dropped"
+        cut = saved["sharding"]  # 4 prompts for the default's 2 label workers: shards of 8 at least
+        assert (cut["shard_size"], cut["label_workers"]) == (8, 2), cut
+        assert tail[1] == (f"[prepare] prompts per source code:2 docs:2; {saved['duplicates']} duplicates dropped; "
+                           "shards of 8 for 2 label worker(s) (prepare.shards_per_worker=4)")
     else:
         assert tail[0].endswith(f"-> {tmp_path / 'cost_profile.json'}") and \
             f"done: {saved['rounds']} rounds in {saved['wall_seconds']} s" in tail[0]

@@ -17,4 +17,4 @@ def execute(stage: ShardStage):
     if not stage.resources().actors:
         return run_stage(stage, None)
     stage.on_ray = True  # its placement (stages.decoding.DecodingStage.placement) then comes from the cluster
-    return run_stage(stage, RayActorPool(stage.cfg.ray, stage.cfg.workers.wait_s))
+    return run_stage(stage, RayActorPool(stage.cfg.ray, stage.cfg.workers.wait_s, stage.cfg.workers.check_timeout_s))

@@ -131,3 +131,28 @@ def ray_asks(cfg, stage: str) -> list:
               "preflight, manifests; asks Ray for nothing"]
     order = ("prepare", "label", "train", "tune", "evaluate") if stage == "run" else (stage,)
     return driver + [line for s in order for line in parts.get(s, [])]
+
+
+def expected_label_workers(cfg) -> int:
+    """How many label workers prepare cuts the prompt shards for (pipeline/executor/sharding.py): label.num_workers,
+    else (null: one per GPU) the placement label will make on the cluster this job joined (RAY_ADDRESS or
+    ray.address), else on this machine's devices (ray.num_gpus / num_cpus, or what torch and the OS see), without
+    starting a Ray."""
+    import os
+
+    from pipeline.executor.stage import Resources
+
+    if cfg.label.num_workers:
+        return int(cfg.label.num_workers)
+    res = Resources(actors=True, num_workers=None, cpus_per_worker=cfg.workers.cpus_per_worker,
+                    workers_key="label.num_workers", device=cfg.model.device)
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        from .runtime import init_ray
+
+        return plan_workers(res, init_ray(cfg.ray).cluster_resources()).num_workers
+    import torch
+
+    here = {"GPU": cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
+            "CPU": cfg.ray.num_cpus or os.cpu_count() or 1}
+    return plan_workers(res, here).num_workers

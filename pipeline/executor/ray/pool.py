@@ -36,9 +36,10 @@ class RayActorPool:
     poll_s = 1.0  # how often lost actors, the node table and joining GPUs are looked at
     progress_s = 15.0  # seconds between "waiting for workers" lines
 
-    def __init__(self, ray_cfg: RayConfig, wait_s: float = 600.0):
+    def __init__(self, ray_cfg: RayConfig, wait_s: float = 600.0, check_s: float = 900.0):
         self.ray_cfg = ray_cfg
         self.wait_s = wait_s  # workers.wait_s: how long the expected workers are waited for
+        self.check_s = check_s  # workers.check_timeout_s: how long a started worker's checks may take
         self.preflight = None  # the last run's preflight report (pipeline.executor.ray.preflight.Report)
 
     def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:

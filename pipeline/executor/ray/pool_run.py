@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Set
 
+from pipeline.executor.failures import DeviceFailure
 from pipeline.executor.local import Done
 from pipeline.executor.stage import ShardStage, ShardTask
 from pipeline.runtime.log import get as log
@@ -128,6 +129,8 @@ class PoolRun(WorkerStarts):
         shard at once)."""
         task, cause = a.shard, err.cause  # the shard's own exception, worded as LocalExecutor words it
         error = f"{type(cause).__name__}: {cause}"
+        if isinstance(cause, DeviceFailure):  # the worker's device, not the shard: another worker takes it
+            return self.retire(a, str(cause))
         self.attempts[task.name] += 1
         self.say.warning(f"{task.name} attempt {self.attempts[task.name]}/{self.tries} failed: {error}")
         if self.attempts[task.name] < self.tries:
@@ -203,6 +206,18 @@ class PoolRun(WorkerStarts):
             elif now - a.lost_at >= self.pool.rejoin_wait_s:
                 self.release(a, f"is not back {self.pool.rejoin_wait_s:g} s after it was lost")
 
+    def retire(self, a: PoolActor, why: str) -> None:
+        """``a``'s device failed (pipeline.executor.failures.DeviceFailure): the actor is killed for good and its GPU
+        gets no other one in this run (:meth:`grow` counts it as taken); its shard goes to the next live worker,
+        no attempt spent, since the shard did not fail."""
+        task, a.shard = a.shard, None
+        a.state, a.retired = ActorState.GONE, why
+        self.ray.kill(a.handle, no_restart=True)
+        left = sum(b.state is not ActorState.GONE for b in self.actors)
+        self.say.warning(f"worker {a.identity} retired: {why}; {task.name} goes to another worker, {left} worker(s) "
+                         "left")
+        self.queue.insert(0, task)
+
     def drop(self, a: PoolActor, why: str) -> None:
         a.state = ActorState.GONE
         self.ray.kill(a.handle, no_restart=True)
@@ -227,9 +242,11 @@ class PoolRun(WorkerStarts):
         if self.setup_errors and not self.infos:  # no worker ever started: say why
             why = "; ".join(f"node {n[:12]}: {e}" for n, e in self.setup_errors.items())
             raise RuntimeError(f"{self.stage.name}: no worker could start ({why})")
-        gone = sum(a.state is ActorState.GONE for a in self.actors)
+        gone = sum(a.state is ActorState.GONE and not a.retired for a in self.actors)
         restarting = (f", {len(pending)} not back within {self.pool.rejoin_wait_s:g} s of a restart" if pending
                       else "")
+        retired = [f"{a.identity} ({a.retired})" for a in self.actors if a.retired]
+        retired = f"; retired, their device failed: {', '.join(retired)}" if retired else ""
         for task in rest:
-            self.fail(task, f"not run: no worker left ({gone} dropped, their restarts used up{restarting})")
+            self.fail(task, f"not run: no worker left ({gone} dropped, their restarts used up{restarting}{retired})")
 

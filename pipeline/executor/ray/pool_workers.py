@@ -21,7 +21,7 @@ class ActorState(Enum):
     BUSY = "busy"  # a shard in flight on it
     LOST = "lost"  # died or unreachable, Ray restarting it: set up again at ``next_ping``
     PINGED = "pinged"  # lost, its setup in flight: it is back once that answers
-    GONE = "gone"  # dropped for good (no restart left, its setup failed, or its preflight did)
+    GONE = "gone"  # dropped for good (no restart left, its setup failed, its preflight did, or its device: retired)
 
 
 @dataclass
@@ -43,6 +43,7 @@ class PoolActor:
     lost_at: float = 0.0  # time.monotonic() of its last loss: rejoin_wait_s counts from it
     next_ping: float = 0.0
     deaths: int = 0  # losses seen: Ray restarts an actor max_restarts times, no more
+    retired: str = ""  # why, once its device failed (PoolRun.retire): GONE, and its GPU is not given another actor
 
     @property
     def down(self) -> bool:
@@ -138,7 +139,7 @@ class WorkerStarts:
                             if n["NodeID"] in self.bad_nodes and n.get("Alive"))
         except Exception:  # noqa: BLE001 - the control store busy: look again next time
             return
-        mine = sum(a.state is not ActorState.GONE for a in self.actors)
+        mine = sum(a.state is not ActorState.GONE or bool(a.retired) for a in self.actors)  # a retired GPU: taken
         # no more new workers than shards left for them to take
         spare = len(self.queue) - sum(a.state in (ActorState.CHECKING, ActorState.STARTING,
                                                   ActorState.IDLE) for a in self.actors)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
-from pipeline.executor.preflight import table, unreadable, verdict
+from pipeline.executor.preflight import driver_probe, table, unreadable, verdict
 from pipeline.runtime.log import get as log
 
 
@@ -41,12 +41,31 @@ def preflight(run, actors) -> Report:
     spec = stage.preflight_spec(place, uuid.uuid4().hex[:12])
     rows = _gather(run, actors, spec)
     probes = [r["probe"] for r in rows if r.get("probe")]
-    if len(probes) > 1:  # every worker reads what the others wrote: storage every node reaches
-        reads = ray.get([a.handle.readable.remote(spec, probes) for a, r in zip(actors, rows) if "pid" in r])
+    mine = driver_probe(spec) if probes else None
+    if probes:  # every worker reads what the others and the driver wrote, the driver what they wrote
+        unseen = set(unreadable(probes))
+        for r in rows:
+            if r.get("probe") in unseen:
+                r["problems"].append(("output_dir", f"the driver cannot read what this worker wrote under "
+                                                    f"{spec.output_dir} (the driver's node does not see the "
+                                                    "workers' storage: mount it there too, or use object storage)"))
+                r["output_dir"] = "w"
+        reads = _reads(ray, [a.handle.readable.remote(spec, probes + ([mine] if mine else []))
+                             for a, r in zip(actors, rows) if "pid" in r], run.pool.check_s)
         for r, bad in zip([r for r in rows if "pid" in r], reads):
-            if bad:
-                r["problems"].append(("output_dir", f"cannot read what {len(bad)} other worker(s) wrote under "
+            if bad is None:
+                r["problems"].append(("workers.check_timeout_s", f"reading the other workers' probes under "
+                                      f"{spec.output_dir} did not finish within workers.check_timeout_s="
+                                      f"{run.pool.check_s:g} s (storage not answering)"))
+                continue
+            others = [b for b in bad if b != mine]
+            if others:
+                r["problems"].append(("output_dir", f"cannot read what {len(others)} other worker(s) wrote under "
                                                     f"{spec.output_dir} (not storage every node reaches)"))
+                r["output_dir"] = "w"
+            if mine in bad:
+                r["problems"].append(("output_dir", f"cannot read what the driver wrote under {spec.output_dir} "
+                                                    "(this node does not see the driver's storage)"))
                 r["output_dir"] = "w"
     problems = verdict(spec, rows)
     say = log(stage.name)
@@ -65,37 +84,71 @@ def preflight(run, actors) -> Report:
     return Report(spec, rows, problems)
 
 
+def _reads(ray, refs, timeout: float) -> List[Optional[List[str]]]:
+    """Each worker's unreadable probes, None for a worker whose reads did not answer within ``timeout``."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    done = set(ready)
+    return [ray.get(ref) if ref in done else None for ref in refs]
+
+
 def _gather(run, actors, spec) -> List[Dict[str, Any]]:
-    """Every actor's preflight row, waiting for actors still without a node up to workers.wait_s; an actor that
-    never answers gets a row saying so."""
+    """Every actor's preflight row. Two clocks: an actor not started (no node with its resources yet) is waited for
+    up to workers.wait_s from now; one that started (its ``where`` answered) has workers.check_timeout_s from its
+    start for its checks. An actor that never answers gets a row saying which of the two it ran out of."""
     ray, pool, place, say = run.ray, run.pool, run.place, log(run.stage.name)
-    refs = {a.handle.preflight.remote(spec): i for i, a in enumerate(actors)}
+    # ``where`` first: an actor runs its calls in order, so it answers as soon as the actor's process is up
+    starts = {a.handle.where.remote(): i for i, a in enumerate(actors)}
+    checks = {a.handle.preflight.remote(spec): i for i, a in enumerate(actors)}
+    started: Dict[int, float] = {}  # actor -> when its start was seen
     rows: Dict[int, Dict[str, Any]] = {}
     t0 = time.monotonic()
     next_line = t0 + pool.progress_s
-    while refs and time.monotonic() - t0 < pool.wait_s:
-        # Wake at each answer and when a progress line is due: waiting for all of them at once kept the line from
-        # being said while the first workers were still starting on a loaded machine.
+
+    def deadline(i: int) -> float:
+        return started[i] + pool.check_s if i in started else t0 + pool.wait_s
+
+    while checks:
         now = time.monotonic()
-        ready, _ = ray.wait(list(refs), num_returns=1,
-                            timeout=max(0.05, min(t0 + pool.wait_s - now, next_line - now)))
+        for ref, i in list(checks.items()):
+            if now >= deadline(i):
+                del checks[ref]
+                rows[i] = _late_row(i, i in started, pool, place, ray)
+        if not checks:
+            break
+        # Wake at each answer, at the next deadline and when a progress line is due: waiting for all of them at once
+        # kept the line from being said while the first workers were still starting on a loaded machine.
+        wake = min([next_line] + [deadline(i) for i in checks.values()])
+        ready, _ = ray.wait(list(checks) + list(starts), num_returns=1, timeout=max(0.05, wake - now))
         for ref in ready:
-            i = refs.pop(ref)
+            if ref in starts:
+                started.setdefault(starts.pop(ref), time.monotonic())
+                continue
+            i = checks.pop(ref)
+            started.setdefault(i, time.monotonic())
             try:
                 rows[i] = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - its checks themselves broke: said as its problem
                 rows[i] = {"identity": f"worker {i}", "problems": [("preflight", f"{type(err).__name__}: "
                                                                                  f"{str(err).splitlines()[-1:]}")]}
-        if refs and time.monotonic() >= next_line:
+        if checks and time.monotonic() >= next_line:
             next_line += pool.progress_s
-            say.info(f"waiting for workers: {len(rows)}/{len(actors)} up after {time.monotonic() - t0:.0f} s "
-                     f"(each asks {place.asks()}; the cluster: {_resources(ray)}; workers.wait_s={pool.wait_s:g})")
-    for i in refs.values():
-        rows[i] = {"identity": f"worker {i}", "problems": [(place.key, (
-            f"not started within workers.wait_s={pool.wait_s:g} s: it asks {place.asks()} and the cluster has "
-            f"{_resources(ray)} (nodes not joined yet, or the resources held by another job); wait longer "
-            f"(workers.wait_s), add nodes, or ask for fewer workers ({place.key})"))]}
+            checking = sum(i in started for i in checks.values())
+            say.info(f"waiting for workers: {len(rows)}/{len(actors)} checked, {checking} checking, "
+                     f"{len(checks) - checking} not started after {time.monotonic() - t0:.0f} s (each asks "
+                     f"{place.asks()}; the cluster: {_resources(ray)}; workers.wait_s={pool.wait_s:g})")
     return [rows[i] for i in range(len(actors))]
+
+
+def _late_row(i: int, started: bool, pool, place, ray) -> Dict[str, Any]:
+    if started:
+        return {"identity": f"worker {i}", "problems": [("workers.check_timeout_s", (
+            f"started, but its checks did not finish within workers.check_timeout_s={pool.check_s:g} s (hashing a "
+            "large local model folder, or storage or the hub not answering): allow longer (workers.check_timeout_s)"
+            " or see its log"))]}
+    return {"identity": f"worker {i}", "problems": [(place.key, (
+        f"not started within workers.wait_s={pool.wait_s:g} s: it asks {place.asks()} and the cluster has "
+        f"{_resources(ray)} (nodes not joined yet, or the resources held by another job); wait longer "
+        f"(workers.wait_s), add nodes, or ask for fewer workers ({place.key})"))]}
 
 
 def _resources(ray) -> str:

@@ -1,0 +1,116 @@
+"""What a failure while decoding means (pipeline/executor/failures.py), and what the driver and the in-process
+executor do with it: a prompt's own failure is a reject that a rerun retries; a device's (a sticky CUDA error, or
+FAILURES_IN_A_ROW prompts in a row) is no reject, it fails the shard; decoding rejects past the stage's
+max_reject_fraction fail the stage, naming each worker's count. The Ray pool's side (the worker retired, its shard to
+the other) is tests/integration/test_broken_device.py's."""
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pipeline.executor.driver import run_stage
+from pipeline.executor.failures import FAILURES_IN_A_ROW, DeviceFailure, PromptFailures, sticky_device_error
+from pipeline.executor.folder import mark_complete
+from pipeline.executor.local import LocalExecutor
+from pipeline.executor.stage import Plan, Resources, ShardStage, tasks_from_shards
+from pipeline.io.shards import is_complete, list_shards, shard_name, write_parquet_atomic
+from pipeline.io.storage import read_table
+from pipeline.runtime.config import load_config
+
+SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
+
+
+def test_a_sticky_device_error_is_the_devices_at_once():
+    f = PromptFailures("node/gpu3")
+    assert sticky_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(DeviceFailure, match=r"worker node/gpu3: the device failed \(RuntimeError: CUDA error"):
+        f.failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    # an out-of-memory says "CUDA" too, and is the prompt's (its size), not the device's: no raise, not counted
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not sticky_device_error(oom)
+    assert [f.failed(oom) for _ in range(2 * FAILURES_IN_A_ROW)] == ["out_of_memory"] * (2 * FAILURES_IN_A_ROW)
+
+
+def test_prompts_failing_in_a_row_are_the_devices_and_a_success_resets_the_count():
+    f = PromptFailures("w")
+    for _ in range(3):
+        assert [f.failed(ValueError("bad")) for _ in range(FAILURES_IN_A_ROW - 1)] == \
+            ["decode_error"] * (FAILURES_IN_A_ROW - 1)
+        f.succeeded()
+    for _ in range(FAILURES_IN_A_ROW - 1):
+        f.failed(ValueError("bad"))
+    with pytest.raises(DeviceFailure, match=f"{FAILURES_IN_A_ROW} prompts in a row failed"):
+        f.failed(ValueError("bad"))
+
+
+class Doubling(ShardStage):
+    """Doubles ``x``; a row whose x is in ``fail`` raises (a decode_error reject), and ``device`` raises
+    DeviceFailure out of the shard that holds that x."""
+
+    name = "doubling"
+
+    def __init__(self, cfg, inputs, folder, fail=(), device=None, limit=None):
+        super().__init__(cfg, folder)
+        self.inputs, self.fail, self.device, self.limit = inputs, set(fail), device, limit
+
+    def fingerprint(self):
+        return {"double": True}
+
+    def plan(self):
+        return Plan(tasks_from_shards(self.inputs))
+
+    def resources(self):
+        return Resources()
+
+    def max_reject_fraction(self):
+        return self.limit
+
+    def process_shard(self, input, rejects):
+        rows, kept = read_table(input).to_pylist(), []
+        for r in rows:
+            if r["x"] == self.device:
+                raise DeviceFailure("worker driver: the device failed (CUDA error)")
+            if r["x"] in self.fail:
+                rejects.add(r, "decode_error", "ValueError: bad")
+                continue
+            kept.append({"prompt_id": r["prompt_id"], "x": 2 * r["x"]})
+        return pa.Table.from_pylist(kept, schema=SCHEMA)
+
+
+@pytest.fixture
+def inputs(tmp_path) -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(4):
+        write_parquet_atomic(pa.Table.from_pylist([{"prompt_id": f"p{i}-{j}", "x": 10 * i + j} for j in range(5)],
+                                                  schema=SCHEMA), folder / shard_name(i))
+    mark_complete(folder)
+    return folder
+
+
+def test_decoding_rejects_past_the_limit_fail_the_stage_naming_the_worker_and_a_rerun_redoes_their_shards(
+        inputs, tmp_path):
+    cfg = load_config(["progress=false"])
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=r"doubling: 2 of 20 prompts failed to decode \(10.0%, over "
+                                           r"doubling.max_reject_fraction = 5.0%\) by worker: driver: 2"):
+        run_stage(Doubling(cfg, inputs, out, fail={1, 32}, limit=0.05), LocalExecutor())
+    assert not is_complete(out) and len(list_shards(out)) == 4
+    # within the limit the same rejects pass, and a rerun without the failures redoes exactly their two shards
+    assert run_stage(Doubling(cfg, inputs, tmp_path / "ok", fail={1, 32}, limit=0.10), LocalExecutor())["rejects"] == 2
+    before = {p.name: p.stat().st_mtime_ns for p in list_shards(out)}
+    again = run_stage(Doubling(cfg, inputs, out, limit=0.05), LocalExecutor())
+    assert again["rows"] == 20 and again["rejects"] == 0 and is_complete(out)
+    redone = sorted(p.name for p in list_shards(out) if p.stat().st_mtime_ns != before[p.name])
+    assert redone == [shard_name(0), shard_name(3)]
+
+
+def test_a_device_failure_in_the_drivers_process_fails_its_shard_and_every_later_one(inputs, tmp_path):
+    cfg = load_config(["progress=false"])
+    with pytest.raises(RuntimeError) as failed:
+        run_stage(Doubling(cfg, inputs, tmp_path / "out", device=12), LocalExecutor(retries=2))  # x = 12: shard 1
+    message = str(failed.value)
+    assert "3 shard(s) failed" in message and "DeviceFailure: worker driver: the device failed" in message
+    assert f"{shard_name(3)}: not run: DeviceFailure" in message, message
+    assert [p.name for p in list_shards(tmp_path / "out")] == [shard_name(0)]  # shard 0 was done before it

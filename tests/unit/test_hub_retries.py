@@ -1,0 +1,83 @@
+"""Hub calls retried with backoff (issue #51, point 3): a real HTTP server on 127.0.0.1 stands in for the hub
+(HF_ENDPOINT; the hub itself is out of reach here) and answers model_info as the hub does, after some 503s; a
+transient refusal is ridden out, a 404 is not retried. Before, one worker's transient hub error refused the run."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pipeline.decoding import models
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Hub:
+    """model_info for owner/tiny at main: ``busy`` 503s first, then the answer; anything else 404s."""
+
+    def __init__(self, busy: int):
+        self.busy, self.seen = busy, []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/api/models/"):  # (huggingface_hub also asks for other things once)
+                    hub.seen.append(self.path)
+                if not self.path.startswith("/api/models/owner/tiny"):
+                    return self.answer(404, {"error": "Repository not found"})
+                if hub.busy:
+                    hub.busy -= 1
+                    return self.answer(503, {"error": "Service Unavailable"})
+                self.answer(200, {"id": "owner/tiny", "modelId": "owner/tiny", "sha": COMMIT, "siblings": []})
+
+            def answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture
+def hub(monkeypatch, request):
+    h = Hub(busy=request.param)
+    monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "HUB_RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(models, "cached_commit", lambda repo, revision: None)  # no local hub cache to fall back on
+    models.hub_commit.cache_clear()
+    yield h
+    models.hub_commit.cache_clear()
+    h.server.shutdown()
+
+
+@pytest.mark.parametrize("hub", [3], indirect=True)
+def test_a_busy_hub_is_retried_until_it_answers(hub, caplog):
+    caplog.set_level("WARNING", logger="blockpilot.models")
+    assert models.hub_commit("owner/tiny", None, "model.draft") == COMMIT
+    assert len(hub.seen) == 4  # three 503s, then the answer
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 3 and retries[0].startswith("model.draft: hub id 'owner/tiny'"), retries
+
+
+@pytest.mark.parametrize("hub", [10], indirect=True)
+def test_a_hub_that_stays_busy_fails_after_the_last_try_naming_the_key(hub):
+    with pytest.raises(models.ModelNotFound, match=r"model.draft: hub id 'owner/tiny' could not be resolved"):
+        models.hub_commit("owner/tiny", None, "model.draft")
+    assert len(hub.seen) == models.HUB_ATTEMPTS
+
+
+@pytest.mark.parametrize("hub", [0], indirect=True)
+def test_a_missing_repo_is_not_retried(hub):
+    with pytest.raises(models.ModelNotFound, match="owner/absent"):
+        models.hub_commit("owner/absent", None, "model.target")
+    assert len(hub.seen) == 1

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pipeline.io.layout import COST_PROFILE
 
 BUCKETS = ((16, 16), (9, 15), (5, 8), (2, 4), (1, 1))
 
@@ -49,7 +50,7 @@ def main(argv=None) -> None:
     engine = Engine(m.target, m.draft, m.stop_token_ids if cfg.decode.stop_on_eos else None)
     prompts = [p for s in list_shards(run / "eval" / "prompts")
                for p in read_table(s, columns=["input_ids"]).column("input_ids").to_pylist()]
-    load = LoadCost.from_profile(CostProfile.load(run / "train" / "policy" / "cost_profile.json"))
+    load = LoadCost.from_profile(CostProfile.load(run / "train" / "policy" / COST_PROFILE))
     c, b, n = a.concurrency, a.block_size, cfg.decode.max_new_tokens
     steps = defaultdict(list)  # (protocol, method) -> [(rows, measured, modelled)]
     order = [("alone", "AR"), ("alone", f"b={b}"), ("lockstep", "AR+b")]

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from pipeline.io.layout import COST_PROFILE, POLICY_META
 
 
 def main() -> None:
@@ -30,9 +31,9 @@ def main() -> None:
     from pipeline.training.data import read_splits
 
     run = Path(args.run)
-    info = json.loads((run / "train" / "policy" / "policy.json").read_text())
+    info = json.loads((run / "train" / "policy" / POLICY_META).read_text())
     cands = [int(b) for b in info["candidates"]]
-    profile = CostProfile.load(run / "train" / "policy" / "cost_profile.json")
+    profile = CostProfile.load(run / "train" / "policy" / COST_PROFILE)
     cfg = OmegaConf.load(run / "train" / "config.yaml").train
     splits = read_splits(list_shards(run / "labels"), cfg.val_fraction, cands, cfg.calibration_fraction)
     tau = splits.tau[:, :len(cands)].astype(np.float64)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pipeline.io.layout import COST_PROFILE
 
 
 def main(argv=None) -> None:
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
     prompts = [p for s in list_shards(run / "eval" / "prompts")
                for p in read_table(s, columns=["input_ids"]).column("input_ids").to_pylist()]
     n = cfg.decode.max_new_tokens
-    run_profile = CostProfile.load(run / "train" / "policy" / "cost_profile.json")
+    run_profile = CostProfile.load(run / "train" / "policy" / COST_PROFILE)
     rng = np.random.default_rng(0)
     # (round, c, method) -> list of (measured seconds, {profile name: modelled seconds})
     got = defaultdict(list)

@@ -4,7 +4,7 @@
     python benchmarks/label_scaling.py --prompts 64 --shard-size 16 label.batch_size=16
 
 Prepares the bundled prompts once (in-process), then runs `label` (stages.label.LabelStage through
-stages.ray_executor.execute: Ray actors, one torch thread each, workers.cpus_per_worker=1) twice into fresh folders, with
+pipeline.executor.ray.executor.execute: Ray actors, one torch thread each, workers.cpus_per_worker=1) twice into fresh folders, with
 label.num_workers=1 and =2. Prints, for each:
 
 * labelling throughput: rows / the busiest actor's labelling seconds (the sum of its rows' prefill_seconds and
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     from pipeline.runtime.config import load_config
     from pipeline.executor.driver import run_stage
     from pipeline.executor.local import LocalExecutor
-    from stages.ray_executor import execute
+    from pipeline.executor.ray.executor import execute
     from stages.label import LabelStage
     from stages.prepare import PrepareStage
 

@@ -31,6 +31,7 @@ from pipeline.io.shards import list_shards  # noqa: E402
 from pipeline.policy.cost import CostProfile  # noqa: E402
 from pipeline.policy.stats import paired_bootstrap  # noqa: E402
 from pipeline.runtime.config import load_config  # noqa: E402
+from pipeline.io.layout import COST_PROFILE  # noqa: E402
 
 GRID = ["full", "threshold:0.001", "threshold:0.002", "threshold:0.005", "threshold:0.01", "threshold:0.02",
         "threshold:0.05", "threshold:0.1", "threshold:0.2", "threshold:0.3", "threshold:0.5", "threshold:0.7", "learned"]
@@ -77,7 +78,7 @@ def main() -> None:
     cfg = load_config(config_file=str(args.run / "train" / "config.yaml"))
     t0 = time.perf_counter()
     rows = read_traced(list_shards(args.run / "labels"), cfg.train.val_fraction, cfg.train.calibration_fraction)
-    profile = CostProfile.load(args.run / "train" / "policy" / "cost_profile.json")
+    profile = CostProfile.load(args.run / "train" / "policy" / COST_PROFILE)
     v = profile.fit["verify"]
     step = profile.cost(8)
     lines = [f"run `{args.run}`: {len(rows['val'])} val / {len(rows['train'])} train prompts; the run's verify "

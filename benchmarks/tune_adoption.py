@@ -16,6 +16,7 @@ from pipeline.io.shards import list_shards
 from pipeline.policy.blocksize import train_chosen_block_size
 from pipeline.policy.cost import CostProfile
 from pipeline.runtime.config import load_config
+from pipeline.io.layout import COST_PROFILE, POLICY_META
 
 
 def main() -> None:
@@ -25,9 +26,9 @@ def main() -> None:
     cfg = load_config([])
     for run in args.runs:
         policy = run / "train" / "policy"
-        info = json.loads((policy / "policy.json").read_text())
+        info = json.loads((policy / POLICY_META).read_text())
         rows = read_traced(list_shards(run / "labels"), cfg.train.val_fraction, cfg.train.calibration_fraction)
-        got = search(rows, cfg.tune.rules, CostProfile.load(policy / "cost_profile.json"),
+        got = search(rows, cfg.tune.rules, CostProfile.load(policy / COST_PROFILE),
                      train_chosen_block_size(info), cfg.decode.max_new_tokens)["choice"]
         old = json.loads((run / "tune" / "step_rule.json").read_text())
         print(f"{run}: chose {got['rule']} {got['gain']:+.2%} (tune wrote {old['rule']} {old['gain']:+.2%}); "

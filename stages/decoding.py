@@ -21,7 +21,7 @@ from pipeline.io.storage import location
 class DecodingStage(ShardStage):
     unit = "prompts"
 
-    on_ray = False  # set by stages.ray_executor.execute: the actor pool's placement decides where models run
+    on_ray = False  # set by pipeline.executor.ray.executor.execute: the actor pool's placement decides where models run
 
     def __init__(self, cfg, folder: Path, prompts: Path, num_workers, workers_key: str):
         super().__init__(cfg, folder)
@@ -40,12 +40,12 @@ class DecodingStage(ShardStage):
     # -- what was loaded, where: the fingerprint's part that no config value says --
     @cached_property
     def placement(self):
-        """The pool's stages.placement.Placement when the stage runs on Ray (decided once, when the fingerprint
+        """The pool's pipeline.executor.ray.placement.Placement when the stage runs on Ray (decided once, when the fingerprint
         first needs it: after the driver's cheap checks, so a bad folder fails before Ray starts); else None."""
         if not self.on_ray:
             return None
-        from .placement import plan_workers
-        from .ray_runtime import init_ray
+        from pipeline.executor.ray.placement import plan_workers
+        from pipeline.executor.ray.runtime import init_ray
 
         return plan_workers(self.resources(), init_ray(self.cfg.ray).cluster_resources())
 
@@ -93,7 +93,7 @@ class DecodingStage(ShardStage):
         return max(self.candidates)
 
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
-        from .memory_checks import engine_check
+        from pipeline.executor.memory_checks import engine_check
 
         return engine_check(self, facts, dtype)
 

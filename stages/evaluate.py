@@ -34,7 +34,7 @@ from pipeline.io.shards import (MANIFEST, encode_metadata, file_sha256, list_sha
 from pipeline.io.storage import location, read_table
 from pipeline.policy.step_rules import load_rule
 
-from .ray_executor import execute
+from pipeline.executor.ray.executor import execute
 from .decoding import DecodingStage
 from .prepare import PrepareStage
 

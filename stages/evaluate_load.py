@@ -19,12 +19,13 @@ import pyarrow as pa
 from pipeline.io.shards import file_sha256, list_shards, write_parquet_atomic, write_text_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.log import get as log
+from pipeline.io.layout import COST_PROFILE, POLICY_META
 
 LOAD_ROWS, LOAD_SUMMARY = "load.parquet", "load.json"
 
 
 def _fingerprint(cfg, stage) -> Dict[str, Any]:
-    return {"policy": file_sha256(stage.policy_dir / "policy.json"), "concurrency": list(cfg.evaluate.concurrency),
+    return {"policy": file_sha256(stage.policy_dir / POLICY_META), "concurrency": list(cfg.evaluate.concurrency),
             "repeats": cfg.evaluate.load_repeats, "decode": vars(cfg.decode), "model": vars(cfg.model),
             "prompts": file_sha256(stage.prompts / "manifest.json"),
             # the schedule it runs is the load check's, when tune made one
@@ -46,7 +47,7 @@ def run_load(cfg, stage) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    from .device_task import on_a_worker
+    from pipeline.executor.ray.device_task import on_a_worker
 
     summaries, rows, where = on_a_worker(stage, _measure, cfg, stage, loads, info, what="at load")
     from pipeline.evaluation.load import render_load
@@ -67,10 +68,10 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
 
-    from .device_task import batched_engine, where
-    from .memory_checks import engines_at_once
+    from pipeline.executor.ray.device_task import batched_engine, where
+    from pipeline.executor.memory_checks import engines_at_once
 
-    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
+    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / COST_PROFILE))
     prompts = [p for shard in list_shards(stage.prompts)
                for p in read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()]
     sched = schedule_of(stage, info)

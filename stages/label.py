@@ -33,7 +33,7 @@ from pipeline.labelling.summary import (SUMMARY_COLUMNS, chosen_cost_profile, la
                                         merge_label_stats)
 from pipeline.runtime.log import get as log
 
-from .ray_executor import execute
+from pipeline.executor.ray.executor import execute
 from .decoding import DecodingStage
 
 __all__ = ["LabelStage", "resolve_mode", "run", "trained_block_size"]  # stages.profile and tests import the two
@@ -136,7 +136,7 @@ class LabelStage(DecodingStage):
                 f"batch_size={self.cfg.label.batch_size if self.mode == 'replay' else 1}{precision}")
 
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
-        from .memory_checks import label_check, vllm_check
+        from pipeline.executor.memory_checks import label_check, vllm_check
 
         return vllm_check(self, facts, dtype) if self.uses_vllm else label_check(self, facts, dtype)
 
@@ -150,7 +150,7 @@ class LabelStage(DecodingStage):
         if self.mode == "replay" and self.cfg.label.batch_size == "auto":  # what fits this worker's device
             from pipeline.executor.preflight import device_facts
 
-            from .memory_checks import label_check
+            from pipeline.executor.memory_checks import label_check
 
             self.auto_batch = int(label_check(self, device_facts(self.models.device.type), self.models.dtype)["batch"])
         # The cost model, once per worker on its own device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and
@@ -231,7 +231,7 @@ class LabelStage(DecodingStage):
         ms = [c * 1e3 for c in self.step_cost.values()]
         lo, hi = min(self.candidates), max(self.candidates)
         return {**super().worker_info(), "batch": self.label_batch_size,
-                # the worker's line in the log (stages.pool.worker_line prints scalars only) ...
+                # the worker's line in the log (pipeline.executor.ray.pool.worker_line prints scalars only) ...
                 "step_ms": f"{min(ms):.3f}..{max(ms):.3f} at b={lo}..{hi} (profiled in {p.meta['wall_seconds']} s, "
                            f"{p.meta['rounds']} rounds{'' if p.meta['stable'] else ', not stable'})",
                 # ... and in summary.json's `workers`, the whole of it

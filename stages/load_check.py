@@ -1,5 +1,5 @@
 """tune's load check (pipeline.evaluation.load_check): b*(c) against no speculation, timed on the label set's val
-prompts at each evaluated load where b*(c) speculates, in one task with a worker's resources (stages.device_task).
+prompts at each evaluated load where b*(c) speculates, in one task with a worker's resources (pipeline.executor.ray.device_task).
 
 Runs in tune's finalize, after its shards and choice (their actors gone); writes ``tune/load_check.json``, which
 evaluate and deploy read. A finalize run again with the same policy, cost profile, prompts and settings keeps it.
@@ -13,12 +13,13 @@ from typing import Any, Dict, List
 from pipeline.io.shards import file_sha256, list_shards, write_text_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.log import get as log
+from pipeline.io.layout import COST_PROFILE, POLICY_META
 
 
 def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
     t = cfg.tune
-    return {"policy": file_sha256(stage.policy_dir / "policy.json"),
-            "cost_profile": file_sha256(stage.policy_dir / "cost_profile.json"),
+    return {"policy": file_sha256(stage.policy_dir / POLICY_META),
+            "cost_profile": file_sha256(stage.policy_dir / COST_PROFILE),
             "prompts": file_sha256(stage.prompts / "manifest.json"),
             "model_schedule": {str(c): b for c, b in model.items()},  # JSON keys: as read back
             "concurrency": [int(c) for c in cfg.evaluate.concurrency], "load_prompts": t.load_prompts,
@@ -50,7 +51,7 @@ def run_check(cfg, stage) -> Dict[str, Any]:
     elif not prompts:  # nothing to time on: the model's schedule stands, said as not measured
         check.update(loads={}, skipped="the label set has no val prompt (train.val_fraction)")
     else:
-        from .device_task import on_a_worker
+        from pipeline.executor.ray.device_task import on_a_worker
 
         check["loads"], check["where"] = on_a_worker(stage, _measure, cfg, stage, prompts, model, loads,
                                                      what="load check")
@@ -93,10 +94,10 @@ def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads:
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
 
-    from .device_task import batched_engine, where
-    from .memory_checks import engines_at_once
+    from pipeline.executor.ray.device_task import batched_engine, where
+    from pipeline.executor.memory_checks import engines_at_once
 
-    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / "cost_profile.json"))
+    load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / COST_PROFILE))
     rule, say = rule_of(cfg), log("tune")
     out = {}
     with batched_engine(cfg) as (models, batched):

@@ -27,7 +27,7 @@ from pipeline.executor.stage import Plan, Rejects, ShardStage, numbered_tasks
 from pipeline.runtime.log import get as get_log
 from pipeline.data.sources import build_prompts, validate_sources
 
-from .ray_executor import execute
+from pipeline.executor.ray.executor import execute
 
 STAGE_DIR = "prompts"
 

@@ -3,7 +3,7 @@
     blockpilot submit STAGE [-c FILE|published:NAME] [key=value ...] [--address URL] [--python PY] [--no-wait]
 
 What is uploaded (the checkout, less what does not belong in it) is :mod:`stages.upload`'s rule; ``--dry-run`` also
-prints what each part of the stage asks Ray for (:func:`stages.placement.ray_asks`). Ray is imported only inside
+prints what each part of the stage asks Ray for (:func:`pipeline.executor.ray.placement.ray_asks`). Ray is imported only inside
 functions.
 """
 
@@ -145,7 +145,7 @@ def submit_command(args: argparse.Namespace) -> int:
     runtime_env = {"working_dir": str(root), "excludes": plan.excludes}
     print(f"blockpilot submit: entrypoint: {command}", file=err)
     if args.dry_run:
-        from .placement import ray_asks
+        from pipeline.executor.ray.placement import ray_asks
 
         for line in ray_asks(cfg, args.target):
             print(f"  asks: {line}", file=err)

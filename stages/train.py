@@ -35,7 +35,7 @@ from pipeline.training.problem import Problem, cost_profile_path, load_problem
 from pipeline.training.progress import EpochLog, write_history
 from pipeline.training.summary import summary_lines, train_summary
 
-from .ray_runtime import init_ray, quiet_ray_train_reports, ray_train_logging_config
+from pipeline.executor.ray.runtime import init_ray, quiet_ray_train_reports, ray_train_logging_config
 
 RUN_NAME = "ray"  # Ray Train's run folder under train/: the checkpoints
 

@@ -38,7 +38,7 @@ from pipeline.runtime.config import PipelineConfig
 
 from .decoding import DecodingStage
 from .load_check import run_check
-from .ray_executor import execute
+from pipeline.executor.ray.executor import execute
 
 SIMULATED = "simulated.parquet"
 

@@ -38,7 +38,7 @@ train-chosen b at c as tune's load check left it (`tune/load_check.json`; AR whe
 the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
 says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device), and
 each c its `engines_at_once` (how many methods' engines ran in lockstep: all of them unless their slot caches exceed
-the memory plan's budget, stages/memory_checks.py; then the methods run in groups, adaptive with its baselines).
+the memory plan's budget, pipeline/executor/memory_checks.py; then the methods run in groups, adaptive with its baselines).
 
 | column | meaning |
 | --- | --- |

@@ -8,7 +8,7 @@ written), the executor and its retries, the atomic reject + checksum + shard wri
 layout, ``summary.json``, the dataset card and ``_SUCCESS``. Stages that are not shard-shaped (train, report) use
 :class:`pipeline.executor.folder.StageFolder` for the same bookkeeping.
 
-Ray-free: the Ray actor pool is an executor in ``stages/pool.py``;
+Ray-free: the Ray actor pool is an executor in ``pipeline/executor/ray/pool.py``;
 :class:`pipeline.executor.local.LocalExecutor` runs a stage in this process (prepare, and the driver's own tests).
 """
 

@@ -1,7 +1,7 @@
 """Running shard tasks: one task wherever it runs (:func:`run_task`), and the in-process executor.
 
 An executor takes a stage and its to-do tasks, calls ``done`` once per task, and returns an :class:`Execution`; the
-Ray actor pool in ``stages/pool.py`` is the other one.
+Ray actor pool in ``pipeline/executor/ray/pool.py`` is the other one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The preflight's checks: what every worker checks on its node before a stage's first shard, and the verdict over all
-of them. Ray-free: ``stages/preflight.py`` runs :func:`check_worker` in one actor per expected worker, then
+of them. Ray-free: ``pipeline/executor/ray/preflight.py`` runs :func:`check_worker` in one actor per expected worker, then
 :func:`unreadable` on each for every other worker's probe, and :func:`verdict` in the driver.
 
 A worker checks, without loading a weight:

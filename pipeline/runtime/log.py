@@ -4,7 +4,7 @@
 summary after it), the default shows the stages' own lines (one per
 shard, one per few epochs), ``-v`` adds debug lines and lets Ray's, Ray Train's, Ray Data's and transformers'
 own INFO logs and deprecation warnings through (they are silenced by default: they made a default run 900 lines),
-and Ray Data's warnings; stages/pool.py keeps Ray's internal lines out of a default run.
+and Ray Data's warnings; pipeline/executor/ray/pool.py keeps Ray's internal lines out of a default run.
 The verbosity travels to Ray workers in the environment (``BLOCKPILOT_VERBOSITY``), which local Ray inherits.
 """
 

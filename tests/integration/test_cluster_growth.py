@@ -17,7 +17,7 @@ The label job starts with one GPU node (A). Then, event by event (never a sleep 
 Checked: the job succeeds; every prompt is labelled exactly once; the shards come from A's and C's workers, none from
 B's; the log says B's setup failed and why.
 
-Apart: the driver (on the head) has no GPU, and a decoding stage's one-off task (stages.device_task.on_a_worker: what
+Apart: the driver (on the head) has no GPU, and a decoding stage's one-off task (pipeline.executor.ray.device_task.on_a_worker: what
 evaluate's pass at load and tune's load check run in) lands on a GPU node, asked from a job on the head.
 """
 

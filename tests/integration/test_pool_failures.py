@@ -1,4 +1,4 @@
-"""Every failure path of the Ray actor pool (stages/pool.py::RayActorPool) against LocalExecutor's, with real
+"""Every failure path of the Ray actor pool (pipeline/executor/ray/pool.py::RayActorPool) against LocalExecutor's, with real
 actors on the session's local Ray (tests/conftest.py::ray_session: 2 fake GPUs, so 2 actors):
 
 * a shard whose process_shard raises is retried up to ``max_retries`` and failed after it, exactly as LocalExecutor
@@ -27,7 +27,7 @@ from pipeline.executor.stage import Plan, Resources, ShardStage, tasks_from_shar
 from pipeline.io.shards import is_complete, list_shards, shard_name, write_parquet_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.config import load_config
-from stages.pool import RayActorPool
+from pipeline.executor.ray.pool import RayActorPool
 
 pytestmark = pytest.mark.integration
 
@@ -199,7 +199,7 @@ def test_no_worker_that_can_start_fails_the_stage_with_the_setup_error(inputs, t
 def test_workers_that_never_start_are_waited_for_then_refused_naming_the_key(inputs, tmp_path, ray_session, caplog):
     # Three workers of one GPU each on a Ray with two (GPUs held elsewhere, pods not joined): the third stays
     # pending; the preflight says so every progress_s and refuses after wait_s, before any shard, naming the key.
-    from stages.preflight import PreflightRefused
+    from pipeline.executor.ray.preflight import PreflightRefused
 
     caplog.set_level("INFO", logger="blockpilot")
     stage = Scripted(load_config(["progress=false"]), inputs, tmp_path / "out", tmp_path, retries=0)

@@ -1,4 +1,4 @@
-"""The Ray actor pool's hand-back and timeout paths (stages/pool_run.py::PoolRun), each pinned to the path it
+"""The Ray actor pool's hand-back and timeout paths (pipeline/executor/ray/pool_run.py::PoolRun), each pinned to the path it
 takes, with real actors on the session's local Ray (tests/conftest.py::ray_session: 2 fake GPUs, so 2 actors):
 
 * a lost actor's shard is kept for it while Ray restarts it, and goes to the other actor once the lost one is gone
@@ -30,7 +30,7 @@ from pipeline.executor.stage import Plan, Resources, ShardStage, tasks_from_shar
 from pipeline.io.shards import list_shards, shard_name, write_parquet_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.config import load_config
-from stages.pool import RayActorPool
+from pipeline.executor.ray.pool import RayActorPool
 
 pytestmark = pytest.mark.integration
 

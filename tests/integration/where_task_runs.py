@@ -1,4 +1,4 @@
-"""A job's driver asks for a decoding stage's one-off task (stages.device_task.on_a_worker: what evaluate's pass at
+"""A job's driver asks for a decoding stage's one-off task (pipeline.executor.ray.device_task.on_a_worker: what evaluate's pass at
 load and tune's load check run in) and prints where the driver and the task ran, as one JSON line after "WHERE ".
 Submitted by tests/integration/test_cluster_growth.py from a head without a GPU:
 
@@ -16,7 +16,7 @@ if __name__ == "__main__":
     import torch
 
     from pipeline.runtime.config import load_config
-    from stages.device_task import on_a_worker, where
+    from pipeline.executor.ray.device_task import on_a_worker, where
     from stages.evaluate import EvaluateStage
 
     ray.init(address="auto")

@@ -1,5 +1,6 @@
 """The library's layering: pipeline/ sub-packages import only their own layer and the layers below it, never
-stages/ (nor Ray), and no module takes part in an import cycle. Every import counts, a function-level one too.
+stages/, nor Ray outside the Ray executor's room (pipeline/executor/ray/, which only stages/ imports), and no module
+takes part in an import cycle. Every import counts, a function-level one too.
 
 Layers, bottom up (each sub-package's __init__ says its job and what it may import):
   io < policy < runtime < data < training < evaluation < decoding < labelling < executor;  pipeline.tiny (the builder of the bundled
@@ -16,6 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["io", "policy", "runtime", "data", "training", "evaluation", "decoding", "labelling", "executor"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
+# The Ray executor's room: the one place in pipeline/ that imports Ray (beside the local executor, as datatrove keeps
+# executor/{local,slurm,ray}.py); stages/ picks the executor, nothing else in the library imports it.
+RAY_ROOM = "pipeline.executor.ray"
 
 
 def _module_name(path: Path) -> str:
@@ -67,8 +71,13 @@ def upward_imports(modules, edges):
         for target, line in imports:
             where = f"{modules[name].relative_to(ROOT)}:{line}"
             top = target.split(".")[0]
-            if top in ("stages", "jobs", "ray"):
-                bad.append(f"{where} imports {target} (the library is Ray-free and below stages/)")
+            in_room = name == RAY_ROOM or name.startswith(RAY_ROOM + ".")
+            if top in ("stages", "jobs") or (top == "ray" and not in_room):
+                bad.append(f"{where} imports {target} (the library is Ray-free outside {RAY_ROOM}, and below "
+                           "stages/)")
+                continue
+            if (target == RAY_ROOM or target.startswith(RAY_ROOM + ".")) and not in_room:
+                bad.append(f"{where} imports {target} (only stages/ and the room itself use the Ray executor)")
                 continue
             other = _layer(target)
             if other is None or other == own or own is None:
@@ -128,10 +137,15 @@ def test_the_checks_can_fail(tmp_path):
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        edges = {"pipeline.io.a": [("pipeline.decoding.engine", 3), ("pipeline.io.b", 4)],
+        edges = {"pipeline.io.a": [("pipeline.decoding.engine", 3), ("pipeline.io.b", 4), ("ray", 5),
+                                   ("pipeline.executor.ray.pool", 6)],
                  "pipeline.io.b": [("pipeline.io.a", 1)], "pipeline.policy.c": [("stages.train", 9)]}
         bad = upward_imports(modules, edges)
         assert any("io imports decoding" in b for b in bad) and any("stages.train" in b for b in bad)
+        assert any("a.py:5 imports ray " in b for b in bad) and any("a.py:6 imports pipeline.executor.ray" in b
+                                                                     for b in bad)
+        room = {"pipeline.executor.ray.pool": tmp_path / "a.py"}  # the room itself may import Ray
+        assert upward_imports(room, {"pipeline.executor.ray.pool": [("ray", 1)]}) == []
         assert cycles(modules, edges) == ["pipeline.io.a -> pipeline.io.b -> pipeline.io.a"]
     finally:
         ROOT = saved

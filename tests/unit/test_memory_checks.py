@@ -1,4 +1,4 @@
-"""The memory plan at the stages (stages/memory_checks.py), without Ray: the label worker's preflight check against a
+"""The memory plan at the stages (pipeline/executor/memory_checks.py), without Ray: the label worker's preflight check against a
 budget, label.batch_size=auto labelling at the batch its plan fits, and evaluate's pass at load bounded by it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.executor.preflight import device_facts
 from pipeline.io.shards import decode_metadata
 from pipeline.runtime.config import load_config
 from stages.label import LabelStage
-from stages.memory_checks import GiB, label_check
+from pipeline.executor.memory_checks import GiB, label_check
 from stages.prepare import PrepareStage
 
 BASE = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",

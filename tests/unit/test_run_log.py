@@ -1,5 +1,5 @@
 """A clean default log (issue #26, item 4): none of Ray's internal lines and no raw dict or JSON dump by default;
-``-v`` lets Ray's lines through. Ray-free: what ``ray.init`` is given (stages.ray_executor.ray_init_plan), the
+``-v`` lets Ray's lines through. Ray-free: what ``ray.init`` is given (pipeline.executor.ray.executor.ray_init_plan), the
 environment the CLI's log setup leaves for Ray's processes, and the lines the stages format themselves, checked
 against the patterns of the Ray lines a default run printed before (copied below from such a run's log).
 """
@@ -14,8 +14,8 @@ import pytest
 from pipeline.evaluation.table import format_rows
 from pipeline.runtime import log as bp_log
 from pipeline.runtime.config import RayConfig, load_config
-from stages.pool import worker_line
-from stages.ray_runtime import ray_init_plan
+from pipeline.executor.ray.actor import worker_line
+from pipeline.executor.ray.runtime import ray_init_plan
 from stages.run import done_line
 
 # Lines Ray printed into a default run (2026-12-01, 674 s) and the patterns that must match none of ours.

@@ -107,7 +107,7 @@ def ray_asks(cfg, stage: str) -> list:
         try:
             from pipeline.decoding.memory import GiB, policy_plan
 
-            from .memory_checks import model_configs
+            from pipeline.executor.memory_checks import model_configs
 
             vocab = model_configs(cfg)[0].vocab_size
             plan = policy_plan(vocab, 2 * cfg.label.k + 1, t.hidden, t.n_layers, t.batch_size, device="cpu")

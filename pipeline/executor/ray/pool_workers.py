@@ -1,6 +1,6 @@
 """How the actor pool's workers start: the first ones through the preflight, then every later one (a GPU that joins,
 a replacement for a worker that could not set up) through the same checks; and what the manifest says of them.
-A mixin of :class:`stages.pool_run.PoolRun`, which holds the state (``actors``, ``waiting``, ``bad_nodes``, ...)."""
+A mixin of :class:`pipeline.executor.ray.pool_run.PoolRun`, which holds the state (``actors``, ``waiting``, ``bad_nodes``, ...)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class WorkerStarts:
         return a
 
     def start(self, n: int):
-        """Create ``n`` actors, run the preflight on them (stages.preflight: refuses before any work) and set them
+        """Create ``n`` actors, run the preflight on them (pipeline.executor.ray.preflight: refuses before any work) and set them
         up; returns the preflight's report."""
         from .preflight import preflight
 

@@ -1,4 +1,4 @@
-"""Running a stage: in the driver process, or on the Ray actor pool (:mod:`stages.pool`) when it declares actors.
+"""Running a stage: in the driver process, or on the Ray actor pool (:mod:`pipeline.executor.ray.pool`) when it declares actors.
 
 The pool's placement is decided when the stage driver first computes the stage's fingerprint: where the models run
 (``cuda`` or ``cpu``) is part of what a label folder records, so that shards of different numerics never mix.

@@ -1,8 +1,8 @@
-"""One run of the Ray actor pool (:class:`stages.pool.RayActorPool`): the event loop and a handler per event.
+"""One run of the Ray actor pool (:class:`pipeline.executor.ray.pool.RayActorPool`): the event loop and a handler per event.
 
 Each event the pool sees (a preflight's answer, a setup's, a shard's result or error, an actor lost, a wait run out,
-a GPU joining) moves one actor from one :class:`stages.pool_workers.ActorState` to another; how workers start (the
-preflight, replacements, joining GPUs) is :class:`stages.pool_workers.WorkerStarts`.
+a GPU joining) moves one actor from one :class:`pipeline.executor.ray.pool_workers.ActorState` to another; how workers start (the
+preflight, replacements, joining GPUs) is :class:`pipeline.executor.ray.pool_workers.WorkerStarts`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pipeline.executor.stage import ShardStage, ShardTask
 from pipeline.runtime.log import get as log
 
 from .placement import plan_workers
-from .pool import bound_actor_class, worker_line
+from .actor import bound_actor_class, worker_line
 from .pool_workers import ActorState, PoolActor, WorkerStarts
 
 

@@ -1,9 +1,10 @@
 """Ray job entrypoint for the prepare stage.
 
-    ray job submit --working-dir . -- python jobs/prepare.py -c published:qwen3-8b output_dir=runs/q8
+    ray job submit --working-dir . -- python jobs/prepare.py -c published:qwen3-8b output_dir=/shared/runs/q8
 
 Arguments are those of ``blockpilot prepare``; prepare itself runs on the job's driver (it needs no Ray workers).
-Exits with the CLI's status (0 ok, 1 bad input / drift / unwritable output, 2 bad config).
+Exits with the CLI's status (0 ok, 1 bad input / drift / unwritable output, 2 bad config or a relative
+output_dir: the job runs in a temporary copy of its working dir).
 """
 
 import sys

@@ -137,6 +137,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.print_config:
         print(to_yaml(cfg))
         return 0
+    from stages.job_guard import in_ray_job, is_relative, relative_output_dir_error
+
+    if in_ray_job() and is_relative(cfg.output_dir):  # the jobs/ entrypoints: refused before Ray starts
+        print(f"blockpilot {args.stage}: error: {relative_output_dir_error(cfg.output_dir)}", file=sys.stderr)
+        return 2
     return run_named_stage(args.stage, cfg, as_json=args.json)
 
 

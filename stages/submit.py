@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from .job_guard import is_relative, relative_output_dir_error
 from .upload import RAY_UPLOAD_CAP, SubmitError, UploadPlan, check_size, find_checkout, mib, plan_upload
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -26,7 +27,8 @@ JOB_STAGES = ("prepare", "label", "train", "tune", "evaluate", "run")
 SUBMIT_DESCRIPTION = f"""\
 Submit `python jobs/STAGE.py [-c ...] [key=value ...]` to a Ray cluster's job server with the checkout as the
 job's working_dir, then follow the job's logs until it ends (exit 0 if it SUCCEEDED, 1 otherwise; --no-wait prints
-the job id and returns). Exit 2: refused before contacting the cluster (bad config, upload too big).
+the job id and returns). Exit 2: refused before contacting the cluster (bad config, a relative output_dir, upload
+too big).
 
 What is uploaded (Ray caps a working_dir package at {RAY_UPLOAD_CAP // 1024 ** 2} MiB):
   git checkout: only the top-level entries that hold a tracked file (jobs/, pipeline/, stages/, ...);
@@ -37,7 +39,8 @@ What is uploaded (Ray caps a working_dir package at {RAY_UPLOAD_CAP // 1024 ** 2
 The size is printed before submitting; over the cap, nothing is sent and the biggest paths are named.
 
 The config is validated here first. The job runs in a temporary copy of the checkout on the cluster: give an
-absolute output_dir on storage the cluster shares. Example:
+absolute output_dir on storage the cluster shares, or s3://... (a relative one is refused, here and by the job's
+entrypoint). Example:
   blockpilot submit label -c published:qwen3-8b output_dir=/shared/runs/q8 --address http://head:8265"""
 
 
@@ -111,7 +114,8 @@ def resolve_address(address: Optional[str]) -> str:
 
 def submit_command(args: argparse.Namespace) -> int:
     """``blockpilot submit``: 0 when the job SUCCEEDED (or was submitted with --no-wait), 1 when it did not or could
-    not be submitted, 2 when refused before contacting the cluster (bad config, too big an upload)."""
+    not be submitted, 2 when refused before contacting the cluster (bad config, a relative output_dir, too big an
+    upload)."""
     from pipeline.runtime.config import ConfigError, load_config
 
     err = sys.stderr
@@ -127,6 +131,8 @@ def submit_command(args: argparse.Namespace) -> int:
             cfg = load_config(list(args.overrides), args.config)
         except ConfigError as e:
             raise SubmitError(str(e)) from None
+        if is_relative(cfg.output_dir):  # the job refuses it too (stages.cli), after the upload: refuse it here
+            raise SubmitError(relative_output_dir_error(cfg.output_dir))
         print(f"blockpilot submit: uploading {root} ({plan.rule}): {len(plan.files)} files, "
               f"{mib(plan.package_bytes)} (Ray's cap: {mib(RAY_UPLOAD_CAP)})", file=err)
         if plan.skipped:
@@ -135,11 +141,6 @@ def submit_command(args: argparse.Namespace) -> int:
     except SubmitError as e:
         print(f"blockpilot submit: error: {e}", file=err)
         return 2
-    from pipeline.io.storage import is_uri
-
-    if not (is_uri(cfg.output_dir) or Path(cfg.output_dir).is_absolute()):  # s3://... is shared already
-        print(f"blockpilot submit: warning: output_dir={cfg.output_dir} is relative: the job writes it under its "
-              "working dir on the cluster (a temporary copy); pass a shared absolute output_dir", file=err)
     command = entrypoint(args.target, args.python, config, args.overrides)
     address = resolve_address(args.address)
     runtime_env = {"working_dir": str(root), "excludes": plan.excludes}

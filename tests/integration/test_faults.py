@@ -25,8 +25,8 @@ import pytest
 from conftest import FAST
 from pipeline.io.shards import is_complete, list_shards
 
-from .conftest import (BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, marked_pids, ray_sessions, reap,
-                       short_tmpdir)
+from .conftest import (BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, blockpilot_here, marked_pids,
+                       ray_sessions, reap, short_tmpdir)
 
 # 16 prompts in 4 shards of 4, 32 new tokens, 0.5 CPU per actor, each run its own local Ray.
 SMALL = [*FAST, "prepare.shard_size=4", "ray.address=local"]
@@ -88,10 +88,12 @@ def assert_complete_and_like_reference(out: Path, reference: Path, fault_row, fa
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
+def prepared(tmp_path_factory, ray_session) -> Path:
+    # the inputs of the runs under test, through the CLI's entry point on the session's Ray: the runs that are
+    # killed and rerun below are fresh processes with their own local Ray
     out = tmp_path_factory.mktemp("prepared")
-    run = blockpilot("prepare", f"output_dir={out}", *SMALL, timeout=180)
-    assert run.proc.returncode == 0, run.tail()
+    run = blockpilot_here("prepare", f"output_dir={out}", *SMALL)
+    assert run.rc == 0, run.tail()
     assert len(list_shards(out / "prompts")) == 4
     return out
 
@@ -101,8 +103,8 @@ def reference(prepared, tmp_path_factory) -> Path:
     """One uninterrupted label run over the same prompts."""
     out = tmp_path_factory.mktemp("reference")
     shutil.copytree(prepared / "prompts", out / "prompts")
-    run = blockpilot("label", f"output_dir={out}", *SMALL, "label.num_workers=2", timeout=300)
-    assert run.proc.returncode == 0, run.tail()
+    run = blockpilot_here("label", f"output_dir={out}", *SMALL, "label.num_workers=2")
+    assert run.rc == 0, run.tail()
     assert validate(out / "labels").returncode == 0
     return out
 

@@ -1,9 +1,12 @@
-"""jobs/rayjob.yaml, the KubeRay example: a RayJob with the keys KubeRay documents, whose values do what the README
-says (four one-GPU label pods, its clean-up, the code and output in one bucket), and whose entrypoint is what
-`blockpilot submit --dry-run` prints for the same stage, config and overrides (no cluster, no Kubernetes).
+"""jobs/rayjob.yaml, the KubeRay example: a RayJob with the keys KubeRay documents, whose values do what its header
+says (the whole pipeline on 8 worker pods of 8 GPUs, a GPU-less head, one Hugging Face cache and token on every pod,
+its clean-up, the code and output in one bucket, the s3 extra holding what Ray fetches an s3:// working_dir with),
+and whose entrypoint is what `blockpilot submit --dry-run` prints for the same stage, config and overrides (no
+cluster, no Kubernetes).
 
 The keys, as KubeRay's RayJob API (ray.io/v1) spells them: ray-project/kuberay
-ray-operator/config/samples/ray-job.sample.yaml and docs.ray.io's RayJob quickstart.
+ray-operator/config/samples/ray-job.sample.yaml and docs.ray.io's RayJob quickstart; the pod templates' keys
+(volumes, volumeMounts, env valueFrom secretKeyRef) as Kubernetes' PodSpec does.
 """
 
 import re
@@ -20,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 RAYJOB = REPO / "jobs" / "rayjob.yaml"
 SPEC_KEYS = {"entrypoint", "runtimeEnvYAML", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
              "activeDeadlineSeconds", "submissionMode", "rayClusterSpec"}
-STAGE, CONFIG = "label", "published:qwen3-8b"
+STAGE, CONFIG = "run", "published:qwen3-8b"
+WORKER_PODS, GPUS_PER_POD = 8, 8
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +38,18 @@ def gpus(container):
     return {k: int(resources[k].get("nvidia.com/gpu", 0)) for k in ("requests", "limits")}
 
 
-def test_the_rayjob_runs_the_label_actors_on_four_gpus_and_cleans_up_as_documented(job):
-    """The values that decide what the job does, against what the README and the published config say: four
-    one-GPU worker pods (README), one label actor per GPU (the published config's label.num_workers is null) with
-    its workers.cpus_per_worker CPUs beside, no GPU on the head, a fixed-size cluster, the same image and Secret on
-    every pod, a Ray version the package accepts, the cluster deleted 10 minutes after the job and a hung job
-    stopped after 6 h (README), and the code and the output in the one bucket the Secret's credentials reach."""
+def pods(job):
+    cluster = job["spec"]["rayClusterSpec"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def test_the_rayjob_runs_the_pipeline_on_64_gpus_and_cleans_up_as_documented(job):
+    """The values that decide what the job does, against what the header and the published config say: 8 worker
+    pods of 8 GPUs (64 in all), one actor per GPU in label, tune and evaluate (the published config's num_workers
+    are null) with its workers.cpus_per_worker CPUs beside, no GPU on the head, a fixed-size cluster, the same image
+    and S3 Secret on every pod, a Ray version the package accepts, the cluster deleted 10 minutes after the job, a
+    hung job stopped (a cap: the run's time on 64 GPUs was never measured), and the code and the output in the one
+    bucket the Secret's credentials reach."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -52,28 +62,32 @@ def test_the_rayjob_runs_the_label_actors_on_four_gpus_and_cleans_up_as_document
     assert SPEC_KEYS <= set(spec) and spec["submissionMode"] == "K8sJobMode"  # the job's log in the submitter pod
     # Clean-up: ttlSecondsAfterFinished acts only with shutdownAfterJobFinishes.
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 10 * 60  # README's
-    assert spec["activeDeadlineSeconds"] == 6 * 3600  # README: "stops a hung job after 6 h"
+    # Above the 6 h that label alone had, and bounded: a hung job does not hold 64 GPUs for more than a day.
+    assert 6 * 3600 < spec["activeDeadlineSeconds"] <= 24 * 3600
     # Resources: the head plans and writes manifests, every GPU is a worker pod's.
     cluster = spec["rayClusterSpec"]
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
     assert all(gpus(c) == {"requests": 0, "limits": 0} for c in head["template"]["spec"]["containers"])
     cfg = load_config([], CONFIG)
-    assert cfg.label.num_workers is None  # one label actor per GPU the cluster has
+    # one actor per GPU the cluster has, in each stage that decodes
+    assert cfg.label.num_workers is None and cfg.tune.num_workers is None and cfg.evaluate.num_workers is None
     total = 0
     for group in cluster["workerGroupSpecs"]:
-        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]  # no autoscaling mid-label
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]  # no autoscaling mid-run
         (container,) = group["template"]["spec"]["containers"]
         g = gpus(container)
         assert g["requests"] == g["limits"] >= 1  # Kubernetes takes extended resources only with requests == limits
         assert float(container["resources"]["requests"]["cpu"]) >= g["limits"] * cfg.workers.cpus_per_worker
         assert group["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         total += group["replicas"] * g["limits"]
-    assert total == 4  # README: four one-GPU worker pods
+    (group,) = cluster["workerGroupSpecs"]  # one worker group: 8 pods of 8 GPUs
+    assert group["replicas"] == WORKER_PODS
+    assert gpus(group["template"]["spec"]["containers"][0])["limits"] == GPUS_PER_POD
+    assert total == WORKER_PODS * GPUS_PER_POD == 64
     # Every pod: the same image (one Ray version across the cluster) and the same Secret (the driver on the head
     # writes manifests, the workers write shards).
-    pods = [head, *cluster["workerGroupSpecs"]]
-    containers = [c for p in pods for c in p["template"]["spec"]["containers"]]
+    containers = [c for p in pods(job) for c in p["template"]["spec"]["containers"]]
     assert len({c["image"] for c in containers}) == 1
     assert all(c.get("envFrom") == [{"secretRef": {"name": "blockpilot-s3"}}] for c in containers)
     ray_req = next(Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
@@ -96,3 +110,41 @@ def test_the_entrypoint_is_what_submit_dry_run_prints(job, capsys):
     assert main(["submit", STAGE, "-c", CONFIG, *overrides, "--working-dir", str(REPO), "--dry-run"]) == 0
     printed = re.search(r"^blockpilot submit: entrypoint: (.*)$", capsys.readouterr().err, re.M)
     assert printed and printed.group(1) == job["spec"]["entrypoint"]
+
+
+def test_every_pod_mounts_the_hf_cache_and_has_the_hub_token_from_a_secret(job):
+    """Every pod (head: prepare's tokenizer and data sets; workers: the target and the draft) declares the one
+    cache volume, mounts it, and points HF_HOME into it, so that the models are downloaded once for all nodes;
+    HF_TOKEN comes from a Secret's key (never a literal in the file)."""
+    for pod in pods(job):
+        spec = pod["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec["containers"]:
+            env = {e["name"]: e for e in c["env"]}
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            home = env["HF_HOME"]["value"]
+            (volume,) = [name for name, path in mounts.items() if home == path or home.startswith(path + "/")]
+            assert set(volumes[volume]) == {"name", "persistentVolumeClaim"}  # shared, outliving the job
+            assert volumes[volume]["persistentVolumeClaim"]["claimName"]
+            assert "value" not in env["HF_TOKEN"]
+            ref = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] and ref["key"] and ref["name"] != "blockpilot-s3"  # beside the S3 Secret
+    claims = {v["persistentVolumeClaim"]["claimName"] for p in pods(job) for v in p["template"]["spec"]["volumes"]}
+    assert len(claims) == 1  # one cache for the whole cluster
+
+
+def test_the_s3_extra_holds_what_ray_fetches_an_s3_working_dir_with(job):
+    """The working_dir is s3://...: every node downloads it with Ray's own code, which imports boto3 and smart_open
+    (ray/_private/runtime_env/protocol.py); the image installs '.[s3]', so the s3 extra must hold both, with boto3
+    at the test extra's pin (boto3 pins botocore exactly; one botocore for s3fs and Ray)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"])["working_dir"].startswith("s3://")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    s3 = {Requirement(r).name.replace("_", "-").lower(): Requirement(r) for r in extras["s3"]}
+    test = {Requirement(r).name.replace("_", "-").lower(): Requirement(r) for r in extras["test"]}
+    assert {"boto3", "smart-open"} <= set(s3)
+    assert str(s3["boto3"].specifier) == str(test["boto3"].specifier) and str(s3["boto3"].specifier).startswith("==")
+    assert str(s3["smart-open"].specifier).startswith("==")  # pinned like the rest of the set

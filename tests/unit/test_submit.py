@@ -1,4 +1,5 @@
-"""``blockpilot submit``'s upload rule and early size refusal, on temporary checkouts (no Ray cluster).
+"""``blockpilot submit``'s upload rule and early refusals (too big an upload, a relative output_dir, which the
+jobs/ entrypoints refuse too inside a Ray job), on temporary checkouts (no Ray cluster).
 
 The rule (stages/upload.py): in a git checkout only the top-level entries holding a tracked file are uploaded,
 less .gitignore/.rayignore matches, .git, __pycache__ and any virtualenv (a folder with pyvenv.cfg); outside git,
@@ -217,3 +218,61 @@ def test_pipeline_imports_without_ray():
             "assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@needs_git
+def test_a_relative_output_dir_is_refused_before_contacting_the_cluster(tmp_path, capsys, monkeypatch):
+    """The job would write a relative output_dir into its temporary copy of the checkout on one node: refused here
+    (exit 2, one line naming output_dir and the fix), nothing planned or sent; the default one too (runs/default)."""
+    import ray.job_submission
+
+    from stages.job_guard import relative_output_dir_error
+
+    def no_client(*a, **k):
+        raise AssertionError("the cluster was contacted")
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", no_client)
+    root = _checkout(tmp_path / "repo", git=True)
+    for given, output_dir in ((["output_dir=runs/x"], "runs/x"), ([], "runs/default")):
+        rc = main(["submit", "prepare", *given, "--working-dir", str(root), "--address", "http://127.0.0.1:9"])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert err == f"blockpilot submit: error: {relative_output_dir_error(output_dir)}\n"
+        assert f"output_dir={output_dir} is relative" in err and "output_dir=s3://" in err
+    # and --dry-run says the same: the job would refuse it
+    assert main(["submit", "prepare", "output_dir=runs/x", "--working-dir", str(root), "--dry-run"]) == 2
+
+
+def test_what_counts_as_a_relative_output_dir_and_a_ray_job():
+    from stages.job_guard import RAY_JOB_ENV, in_ray_job, is_relative
+
+    assert is_relative("runs/x") and is_relative("./runs") and is_relative("file://runs/x")
+    assert not any(is_relative(p) for p in ("/shared/r", "s3://bucket/r", "gs://b/r", "file:///shared/r"))
+    assert in_ray_job({RAY_JOB_ENV: "{}"}) and not in_ray_job({}) and not in_ray_job({"RAY_JOB_ID": "01000000"})
+
+
+def test_a_jobs_entrypoint_refuses_a_relative_output_dir_inside_a_ray_job():
+    """jobs/run.py as Ray's job supervisor starts it (RAY_JOB_CONFIG_JSON_ENV_VAR set; RAY_JOB_ID is not, Ray strips
+    it from the driver's environment), with a relative output_dir: exit 2 and the one-line fix, before Ray is even
+    imported (RAY_ADDRESS points nowhere: joining it would fail otherwise)."""
+    import os
+    import time
+
+    from stages.job_guard import RAY_JOB_ENV, relative_output_dir_error
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, RAY_JOB_ENV: '{"runtime_env": {}, "metadata": {"job_submission_id": "raysubmit_t"}}',
+           "RAY_ADDRESS": "127.0.0.1:9"}
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['jobs/run.py', *sys.argv[1:]]\n"
+             "try:\n"
+             "    runpy.run_path('jobs/run.py', run_name='__main__')\n"
+             "finally:\n"
+             "    print('ray imported:', 'ray' in sys.modules, file=sys.stderr)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", probe, "-c", "published:qwen3-8b", "output_dir=runs/x"], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [f"blockpilot run: error: {relative_output_dir_error('runs/x')}",
+                                       "ray imported: False"]
+    assert time.monotonic() - t0 < 60

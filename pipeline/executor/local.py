@@ -53,26 +53,27 @@ class LocalExecutor:
         stage.setup(worker)
         failures, broken = [], None
         for task in tasks:
-            if broken is not None:  # the one device this process has failed: nothing more runs on it
-                failures.append(f"{task.name}: not run: {broken}")
-                done(task, None, f"not run: {broken}")
+            error = f"not run: {broken}" if broken else self._attempts(stage, task, worker, done)
+            if error is None:
                 continue
-            for attempt in range(self.retries + 1):
-                try:
-                    done(task, run_task(stage, task, worker), None)
-                    break
-                except DeviceFailure as err:  # no other worker to take the shard: it fails, and so does the rest
-                    error = broken = f"{type(err).__name__}: {err}"
-                    log(stage.name).warning(f"{task.name} failed: {error}; no other worker here")
-                    break
-                except Exception as err:  # noqa: BLE001 - one shard's failure must not stop the others
-                    error = f"{type(err).__name__}: {err}"
-                    log(stage.name).warning(f"{task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}")
-            else:
-                failures.append(f"{task.name}: {error}")
-                done(task, None, error)
-                continue
-            if broken is not None:
-                failures.append(f"{task.name}: {error}")
-                done(task, None, error)
+            if error.startswith(DeviceFailure.__name__):  # the one device this process has: nothing more runs
+                broken = error
+            failures.append(f"{task.name}: {error}")
+            done(task, None, error)
         return Execution([], failures)
+
+    def _attempts(self, stage: ShardStage, task: ShardTask, worker: Worker, done: Done) -> Optional[str]:
+        """Runs ``task`` up to 1 + retries times; None once done, else the last error. A DeviceFailure is not
+        retried: there is no other worker here to take the shard."""
+        for attempt in range(self.retries + 1):
+            try:
+                done(task, run_task(stage, task, worker), None)
+                return None
+            except DeviceFailure as err:
+                error = f"{type(err).__name__}: {err}"
+                log(stage.name).warning(f"{task.name} failed: {error}; no other worker here")
+                return error
+            except Exception as err:  # noqa: BLE001 - one shard's failure must not stop the others
+                error = f"{type(err).__name__}: {err}"
+                log(stage.name).warning(f"{task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}")
+        return error

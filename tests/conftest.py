@@ -13,6 +13,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # actor, a subprocess or another test process runs beside it, and tiny-model tests then take minutes instead of
 # seconds. The pipeline's own workers set their threads explicitly.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray Train V2's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default) and each
+# phase of a train run waits for a poll. The CLI sets 0.5 s for a local Ray of its own
+# (pipeline/executor/ray/runtime.py); the session's Ray (ray_session below) and the train runs made on it in this
+# process would get the 2 s default. A poll interval, not behaviour: it reaches the session's Ray, the CLI's
+# subprocesses (where the CLI's setdefault keeps it) and, propagated by Ray Train, each run's controller.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = Path(__file__).resolve().parent / "integration"

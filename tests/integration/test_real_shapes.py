@@ -5,7 +5,9 @@ shallow, so that a CPU runs it, but every code path meets the real vocabulary an
 
 ``blockpilot run`` (prepare, label at B = 16's candidates 14..18, train with the paper's MLP and objective on the
 V = 151,936 logits, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short outputs; its
-own local Ray, as the README's first command runs. The MLP's head is narrow (64 wide, not the paper's 2,048): the
+through the CLI's entry point on the session's Ray (the Ray
+start-up and fresh interpreters a subprocess adds prove nothing about the vocabulary; the README's first command's own
+local Ray is tests/integration/test_stages.py's and test_sampled_run.py's). The MLP's head is narrow (64 wide, not the paper's 2,048): the
 vocabulary is what this test is about, and at 2,048 the first layer alone (311M parameters, ~5 GB of checkpoints)
 took most of its six minutes. Its parameter count is derived from V and the width, and read from the exported file.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 
 import pyarrow.parquet as pq
 
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from conftest import ONE_SOURCE
 from random_pair import QWEN3_VOCAB, ZLAB_MASK_ID, save_real_shaped_pair
 
-from .conftest import BLOCKPILOT, REPO, blockpilot
+from .conftest import blockpilot_here
 
 HIDDEN, LAYERS, CLASSES = 64, 2, 5  # train.hidden, train.n_layers; the paper's objective: one class per candidate
 SETTINGS = [
@@ -43,7 +44,7 @@ SETTINGS = [
 
 # Over 120 s (112-220 s in the suite, by what runs beside it): every stage at V = 151,936, where each logits
 # row is 600 KB and the label, train and evaluate stages move them for real; that vocabulary is what it proves.
-def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory):
+def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory, ray_session):
     work = tmp_path_factory.mktemp("real-shapes")
     try:
         target, draft = save_real_shaped_pair(work / "models")
@@ -51,9 +52,8 @@ def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_f
         assert (dcfg["block_size"], dcfg["dflash_config"]["mask_token_id"], dcfg["vocab_size"]) == \
             (16, ZLAB_MASK_ID, QWEN3_VOCAB) and "num_target_layers" in dcfg
         out = work / "run"
-        run = blockpilot("run", f"output_dir={out}", f"model.target={target}", f"model.draft={draft}", *SETTINGS,
-                         timeout=1800)
-        assert run.proc.returncode == 0, run.tail(80)
+        run = blockpilot_here("run", f"output_dir={out}", f"model.target={target}", f"model.draft={draft}", *SETTINGS)
+        assert run.rc == 0, run.tail(80)
         print("[real shapes] " + next(x for x in run.lines if x.startswith("[run] done in ")))
 
         labels = out / "labels"
@@ -63,9 +63,8 @@ def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_f
         assert rows == 8 and json.loads((labels / "summary.json").read_text())["candidates"] == [14, 15, 16, 17, 18]
         fp = json.loads((labels / "fingerprint.json").read_text())
         assert (fp["dtype"], fp["device"]) == ("float32", "cpu"), fp
-        v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=300,
-                           cwd=REPO)
-        assert v.returncode == 0, v.stdout + v.stderr
+        v = blockpilot_here("validate", str(labels))
+        assert v.rc == 0, v.output
 
         # Linear(V, h), (LAYERS - 1) x Linear(h, h), Linear(h, classes), biases included
         first = QWEN3_VOCAB * HIDDEN + HIDDEN
@@ -84,9 +83,8 @@ def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_f
         load = json.loads((out / "eval" / "load.json").read_text())
         assert set(load["loads"]) == {"4"} and load["loads"]["4"]["methods"]["AR"]["throughput"] > 0
 
-        deploy = subprocess.run([BLOCKPILOT, "deploy", str(out)], capture_output=True, text=True, timeout=300,
-                                cwd=REPO)
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        assert "num_speculative_tokens" in deploy.stdout and str(draft) in deploy.stdout, deploy.stdout
+        deploy = blockpilot_here("deploy", str(out))
+        assert deploy.rc == 0, deploy.output
+        assert "num_speculative_tokens" in deploy.output and str(draft) in deploy.output, deploy.output
     finally:
         shutil.rmtree(work, ignore_errors=True)  # ~5 GB of checkpoints and policy

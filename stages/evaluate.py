@@ -294,12 +294,14 @@ class EvaluateStage(DecodingStage):
         return summary_lines(summary, self.methods)
 
 
-def run(cfg: PipelineConfig) -> Dict[str, Any]:
+def run(cfg: PipelineConfig, load_tables: bool = True) -> Dict[str, Any]:
+    """``load_tables``: print the table of each c > 1 when measured (``blockpilot run`` prints them in its closing
+    block instead, once)."""
     stage = EvaluateStage(cfg)
     require_complete([(stage.train_dir, "blockpilot train")])  # before building prompt sets for nothing
     execute(prompt_sets(cfg))
     summary = execute(stage)
     from .evaluate_load import run_load, with_load  # c > 1 of evaluate.concurrency: every prompt served c at a time
 
-    loads = run_load(cfg, stage)
+    loads = run_load(cfg, stage, load_tables)
     return {**summary, **with_load(stage, summary, loads)} if loads else summary

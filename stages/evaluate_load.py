@@ -32,8 +32,9 @@ def _fingerprint(cfg, stage) -> Dict[str, Any]:
             "load_check": file_sha256(stage.layout.load_check) if stage.layout.load_check.is_file() else None}
 
 
-def run_load(cfg, stage) -> Dict[str, Any]:
-    """{"c": summary} for every c > 1 (empty without one, or when the cost profile has no load grid)."""
+def run_load(cfg, stage, tables: bool = True) -> Dict[str, Any]:
+    """{"c": summary} for every c > 1 (empty without one, or when the cost profile has no load grid); ``tables``:
+    log each c's table once measured."""
     loads = [int(c) for c in cfg.evaluate.concurrency if int(c) > 1]
     out = stage.folder / LOAD_SUMMARY
     fp = _fingerprint(cfg, stage)
@@ -53,7 +54,7 @@ def run_load(cfg, stage) -> Dict[str, Any]:
     from pipeline.evaluation.load import render_load
 
     for summary in summaries.values():
-        for line in render_load(summary):
+        for line in render_load(summary) if tables else ():
             log("evaluate").info(line)
     write_parquet_atomic(pa.Table.from_pylist(rows), stage.folder / LOAD_ROWS, compression="zstd")
     write_text_atomic(json.dumps({"fingerprint": fp, "where": where, "loads": summaries}, indent=1, default=str)

@@ -357,7 +357,8 @@ class LabelStage(DecodingStage):
             lines.append(f"batches: {b['batches']} of up to {self.label_batch_size} prompts, every candidate a pass of "
                          f"{self.engine_version} (label.engine=vllm); {b['batches_failed']} failed, their "
                          f"{b['prompts_retried_alone']} prompts retried one by one")
-        elif b.get("batches"):
+        elif b.get("batches") and (b["batches_failed"] or self.cfg.label.continuation != "greedy"):
+            # (all well at the default continuation: the counts stay in summary.json's "batching")
             lines.append(f"batches: {b['batches']} (label.batch_size={self.cfg.label.batch_size}); "
                          f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
                          f"{b['prompts_retried_alone']} prompts retried one by one; continuation (label.continuation="

@@ -25,10 +25,10 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     ray = init_ray(cfg.ray)
     pool = RayActorPool(cfg.ray, cfg.workers.wait_s, cfg.workers.check_timeout_s)
     pr = PoolRun(pool, ray, stage, [], lambda *a: None)
-    log("preflight").info(f"workers: {pr.place.describe()} ({pr.place.why})")
+    log("preflight").info(f"workers: {pr.place.describe()} ({pr.place.reason})")
     actors = [pr.new_actor() for _ in range(pr.place.num_workers)]
     try:
-        report = preflight(pr, actors)
+        report = preflight(pr, actors, full_table=True)
     finally:
         pr.kill_all()
     log("preflight").info(f"done: {len(report.rows)} worker(s) checked, no problem; "

@@ -63,11 +63,11 @@ class PrepareStage(ShardStage):
         from pipeline.decoding.models import load_tokenizer
 
         p = self.cfg.prepare
-        log = get_log(self.section).info if self.cfg.progress else None
+        say = get_log(self.section)
         rows, rejects, self.stats = build_prompts(
             self.sources, load_tokenizer(self.cfg.model), p.max_prompt_tokens,
             apply_chat_template=p.apply_chat_template, enable_thinking=self.cfg.model.enable_thinking,
-            limit=self.limit, section=self.section, log=log)
+            limit=self.limit, section=self.section, log=say.info if self.cfg.progress else None, debug=say.debug)
         size = self.shard_size
         if self.section == "prepare" and p.shards_per_worker:  # the label prompts: every label worker busy
             from pipeline.executor.sharding import shard_size_for

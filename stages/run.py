@@ -13,26 +13,18 @@ from typing import Any, Dict
 
 from pipeline.evaluation.table import format_rows
 from pipeline.runtime.config import PipelineConfig
-from pipeline.runtime.log import get as log
+from pipeline.runtime.log import get as log, one_run
 
 ORDER = ("prepare", "label", "train", "tune", "evaluate", "report")
 
 
 def run(cfg: PipelineConfig) -> Dict[str, Any]:
-    from stages import STAGES
-
     t0 = time.monotonic()
     summaries: Dict[str, Any] = {}
     seconds: Dict[str, float] = {}
-    for name in ORDER:
-        why = skipped(cfg, name)
-        if why:
-            log("run").info(f"=== {name} === skipped: {why}")
-            continue
-        log("run").info(f"=== {name} ===")
-        t = time.monotonic()
-        summaries[name] = STAGES[name].load()(cfg)
-        seconds[name] = time.monotonic() - t
+    with one_run():  # later stages say only what changed (pipeline.runtime.log.said_before)
+        for name in ORDER:
+            _stage(cfg, name, summaries, seconds)
     report = summaries["report"]
     rows = report.get("headline", {}).get("rows", [])
     wall = round(time.monotonic() - t0, 1)
@@ -48,6 +40,20 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     return {"stage": "run", "report": report["report"], "headline": rows, "wall_seconds": wall,
             "stage_seconds": {k: round(v, 1) for k, v in seconds.items()},
             "label_rows": summaries["label"].get("rows"), "eval_datasets": summaries["evaluate"].get("datasets")}
+
+
+def _stage(cfg: PipelineConfig, name: str, summaries: Dict[str, Any], seconds: Dict[str, float]) -> None:
+    from stages import STAGES
+
+    why = skipped(cfg, name)
+    if why:
+        log("run").info(f"=== {name} === skipped: {why}")
+        return
+    log("run").debug(f"=== {name} ===")  # each stage's lines carry its name, and its done: line closes them
+    t = time.monotonic()
+    # evaluate's tables at load are this command's closing block (below), printed once
+    summaries[name] = STAGES[name].load()(cfg, **({"load_tables": False} if name == "evaluate" else {}))
+    seconds[name] = time.monotonic() - t
 
 
 def skipped(cfg: PipelineConfig, name: str) -> str:

@@ -339,7 +339,8 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
     init_ray(cfg.ray)
     trainer, use_gpu = _trainer(cfg, problem, labels_dir, train_dir)
     _log_start(cfg, problem, use_gpu)
-    with EpochLog(train_dir / METRICS, 1 if cfg.train.model == "ridge" else cfg.train.epochs, cfg.progress):
+    # the ridge fit is one report: its "epoch 1/1" line would repeat the closing val line
+    with EpochLog(train_dir / METRICS, cfg.train.epochs, cfg.progress and cfg.train.model != "ridge"):
         result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training produced no checkpoint (error: {result.error})")

@@ -219,8 +219,9 @@ class TuneStage(DecodingStage):
                 f"label prompts (simulated; per-step oracle {summary['oracle_gain']:+.2%}; best per family: {fams})",
                 adoption_line(summary["adoption"]),
                 f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})",
-                *[f"at c={c}: {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']} (simulated)"
-                  for c, v in (summary.get("load") or {}).items()],
+                *(["at load (simulated): " + "; ".join(f"c={c} {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']}"
+                                                         for c, v in summary["load"].items())]
+                  if summary.get("load") else []),
                 *(check_lines(summary["load_check"]) if summary.get("load_check") else [])]
 
     def card(self, manifest: Dict[str, Any]) -> str:

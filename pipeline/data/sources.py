@@ -260,9 +260,13 @@ def _reject_dict(src_name: str, r: Reject) -> Dict[str, Any]:
             "detail": _short(r.detail), "file": r.file}
 
 
+SLOW_SOURCE_S = 2.0  # a source read for longer than this gets its line in a default log (progress on long reads)
+
+
 def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens: int,
                   apply_chat_template: bool = True, enable_thinking: bool = False, limit: Optional[int] = None, *,
                   section: str = "prepare", log: Optional[Callable[[str], None]] = None,
+                  debug: Optional[Callable[[str], None]] = None,
                   require_any: bool = True) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Any]]:
     """Read every source and build the prompt rows.
 
@@ -279,6 +283,7 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
     from pipeline.data.chat import format_prompt
 
     log = log or (lambda msg: None)
+    debug = debug or (lambda msg: None)
     validate_sources(sources, section)
     opened = [open_source(src) for src in sources]
 
@@ -346,10 +351,13 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
         if accepted == 0:
             stats["notes"].append(f"source {src.name!r}: no prompt accepted")
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s_reasons.items())) or "none"
-        # One line a source, once read: what it is and what it gave.
-        log(f"source {src.name!r} ({src.kind} {src.path}" + (f", limit {cap}" if cap is not None else "")
+        # One line a source, once read: what it is and what it gave. Shown where it says more than the stage's
+        # closing "prompts per source" line (rejects, an empty file, a read that took a while); at debug otherwise.
+        seconds = time.time() - t0
+        (log if s_reasons or op.empty_files or seconds >= SLOW_SOURCE_S else debug)(
+            f"source {src.name!r} ({src.kind} {src.path}" + (f", limit {cap}" if cap is not None else "")
             + f"): {read} rows read, {accepted} accepted, rejects: {reasons}"
-            + (" (limit reached)" if limit_reached else "") + f" [{time.time() - t0:.1f}s]")
+            + (" (limit reached)" if limit_reached else "") + f" [{seconds:.1f}s]")
 
     stats["rejects_by_reason"] = dict(sorted(by_reason.items()))
     stats["rejects_by_source"] = {name: s["rejected"] for name, s in stats["sources"].items()}

@@ -151,8 +151,10 @@ def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTa
             if why != "missing":
                 log(stage.name).warning(f"{t.name}: redoing it: {why}")
     described = f"{stage.describe()}: " if stage.describe() else ""
-    log(stage.name).info(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} "
-                         f"{stage.unit}) to do")
+    # Shown where it says something: a stage that describes its work (label, tune, evaluate), or a rerun that keeps
+    # shards; a fresh in-process stage (prepare) goes straight to its done line, which counts the same shards.
+    say = log(stage.name).info if described or len(todo) < len(plan.tasks) else log(stage.name).debug
+    say(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} {stage.unit}) to do")
     return todo
 
 

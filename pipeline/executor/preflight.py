@@ -206,6 +206,29 @@ def where(row: Dict[str, Any]) -> str:
     return f"{row.get('identity', '?')} on {row.get('node_ip') or row.get('host', '?')}"
 
 
+def _uniform(row: Dict[str, Any]) -> Tuple:
+    """What a healthy worker's table row says apart from its name, node, GPU ids and free memory."""
+    models = set((row.get("models") or {}).values())
+    mem = row.get("memory") or {}
+    return (str(row.get("device_name") or "-"), row.get("dtype", "-"), "-" if not models else
+            "ok" if models == {"ok"} else "FAIL", row.get("output_dir", "-"), mem.get("need"), mem.get("batch"))
+
+
+def one_line(rows: List[Dict[str, Any]]) -> Optional[str]:
+    """The table in one line where it would repeat one row: every worker answered, none has a problem, and all
+    have the same device kind, dtype, models, output and memory plan (the least free memory shown); None
+    otherwise (a cluster of 64 identical GPUs is one line, a worker that differs brings the table back)."""
+    if not rows or any(r.get("problems") or "pid" not in r for r in rows) or len({_uniform(r) for r in rows}) > 1:
+        return None
+    device, dtype, models, output, need, batch = _uniform(rows[0])
+    haves = [h for h in ((r.get("memory") or {}).get("have") or r.get("memory_free") for r in rows) if h]
+    memory = (f"{need / GB:.1f}/{min(haves) / GB:.1f} GiB" if need and haves else
+              f"-/{min(haves) / GB:.1f} GiB" if haves else "-") + (f" (batch {batch})" if batch else "")
+    nodes = len({r.get("node_ip") or r.get("host") for r in rows})
+    return (f"every worker {device}, {dtype}, models {models}, output {output}, memory plan/budget {memory}, "
+            f"on {nodes} node(s)")
+
+
 def table(rows: List[Dict[str, Any]]) -> List[str]:
     """One short line per worker."""
     head = f"{'worker':<24} {'node':<15} {'device':<22} {'dtype':<9} {'models':<9} {'output':<6} memory plan/budget"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
 
 ROOT = "blockpilot"
 ENV = "BLOCKPILOT_VERBOSITY"  # -1 quiet, 0 default, 1 verbose
@@ -96,3 +98,28 @@ def quiet_libraries() -> None:
     for name in ("ray", "ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("ray.data").setLevel(logging.ERROR)  # as RAY_DATA_LOG_LEVEL above, if it is imported already
+
+
+# Inside one `blockpilot run` (one_run()): what its stages have said that a later stage would repeat (the workers'
+# placement and preflight), so that the later one says only what changed. None outside a run: a stage run alone
+# says everything.
+_SAID: Optional[Dict[str, Any]] = None
+
+
+@contextmanager
+def one_run() -> Iterator[None]:
+    global _SAID
+    _SAID = {}
+    try:
+        yield
+    finally:
+        _SAID = None
+
+
+def said_before(topic: str, what: Any) -> bool:
+    """Within one run: whether ``topic`` was last said as ``what``; remembers ``what`` either way."""
+    if _SAID is None:
+        return False
+    same = topic in _SAID and _SAID[topic] == what
+    _SAID[topic] = what
+    return same

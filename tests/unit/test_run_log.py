@@ -177,19 +177,27 @@ def test_progress_prints_no_line_for_the_last_shard_but_always_one_for_a_failure
     assert caplog.records[-1].getMessage().endswith("part-00002.parquet failed")
 
 
-def test_a_source_is_one_line():
+def test_a_source_is_one_line_shown_when_it_says_more_than_the_closing_count():
+    """Each source's line goes to the log where it tells what prepare's closing "prompts per source" line does not
+    (rejects, an empty file, a slow read), to -v otherwise: a clean source read in a blink is only that count."""
     from pipeline.data.sources import build_prompts
     from pipeline.decoding.models import load_models
-    from pipeline.runtime.config import ModelConfig
+    from pipeline.runtime.config import ModelConfig, SourceConfig
 
-    lines = []
+    shown, debug = [], []
     cfg = load_config()
     tok = load_models(ModelConfig(device="cpu", dtype="float32")).tokenizer
-    build_prompts(cfg.evaluate.sources, tok, cfg.prepare.max_prompt_tokens, limit=2, log=lines.append)
-    assert len(lines) == len(cfg.evaluate.sources) >= 2
-    for src, line in zip(cfg.evaluate.sources, lines):
+    build_prompts(cfg.evaluate.sources, tok, cfg.prepare.max_prompt_tokens, limit=2, log=shown.append,
+                  debug=debug.append)
+    assert shown == [] and len(debug) == len(cfg.evaluate.sources) >= 2, (shown, debug)
+    for src, line in zip(cfg.evaluate.sources, debug):
         assert line.startswith(f"source {src.name!r} ({src.kind} {src.path}, limit 2): ") and \
             "2 accepted" in line, line
+
+    code = [SourceConfig(name="code", kind="bundled", path="code")]
+    shown, debug = [], []  # rows over max_prompt_tokens: too_long rejects
+    build_prompts(code, tok, 4, limit=2, log=shown.append, debug=debug.append, require_any=False)
+    assert debug == [] and len(shown) == 1 and shown[0].startswith("source 'code'") and "too_long" in shown[0], shown
 
 
 # ---- how a stage command ends (issue #36): its done: line and a short summary; JSON only with --json -------------
@@ -261,3 +269,20 @@ def test_every_stage_command_takes_json():
     for name in STAGES:
         assert parser.parse_args([name, "--json"]).json is True, name
         assert parser.parse_args([name]).json is False, name
+
+
+def test_within_one_run_a_later_stage_says_only_what_changed():
+    """pipeline.runtime.log.said_before: inside one_run() (what `blockpilot run` wraps its stages in), a topic said
+    again unchanged is reported as said (the later stage prints "as the previous stage's"); a change, or any stage
+    run alone, says it in full."""
+    workers = ("2 actor(s) of CPU 1, models on cpu", "no GPU in the cluster", "every worker cpu, float32")
+    assert not bp_log.said_before("workers", workers)  # a stage run alone: always in full
+    assert not bp_log.said_before("workers", workers)
+    with bp_log.one_run():
+        assert not bp_log.said_before("workers", workers)  # label: the first time
+        assert bp_log.said_before("workers", workers)  # tune: the same workers
+        assert not bp_log.said_before("workers", (*workers[:2], "every worker cpu, bfloat16"))  # evaluate: changed
+        assert not bp_log.said_before("placement", workers)  # another topic
+    with bp_log.one_run():  # the next run starts afresh
+        assert not bp_log.said_before("workers", workers)
+    assert not bp_log.said_before("workers", workers)

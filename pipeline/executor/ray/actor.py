@@ -82,3 +82,12 @@ def worker_line(info: Dict[str, Any]) -> str:
     shown = " ".join(f"{k}={v}" for k, v in info.items()
                      if k not in ("identity", "pid", "node_id", "node_ip", "gpu_ids") and isinstance(v, (str, int, float)))
     return f"worker {info['identity']} pid={info['pid']} {shown}".rstrip()
+
+
+BESIDES = ("identity", "pid", "node_id", "node_ip", "gpu_ids", "device", "compiled")  # the preflight's line said these
+
+
+def says_more(info: Dict[str, Any]) -> bool:
+    """Whether a worker's line tells more than the preflight did (label's measured step costs do; a tune or
+    evaluate worker's device and compile flag do not, and its line then goes to -v)."""
+    return any(k not in BESIDES and isinstance(v, (str, int, float)) for k, v in info.items())

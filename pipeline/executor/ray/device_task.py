@@ -25,7 +25,7 @@ def on_a_worker(stage, fn: Callable, *args, what: str) -> Any:
     place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
     task = ray.remote(fn).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0)
     say = log(stage.name)
-    say.info(f"{what}: one task of {place.asks()} (models on {place.device})")
+    say.debug(f"{what}: one task of {place.asks()} (models on {place.device})")  # long ones say so every minute
     ref, t0 = task.remote(*args), time.monotonic()
     while not ray.wait([ref], timeout=60.0)[0]:
         say.info(f"{what}: running for {time.monotonic() - t0:.0f} s")

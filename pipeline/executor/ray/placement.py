@@ -32,7 +32,13 @@ class Placement:
     device: str  # "cuda" | "cpu": where the models run (the label fingerprint's device kind)
     elastic: bool = False  # one more actor for every GPU that joins later
     key: str = "num_workers"  # the config key that sets the count, for messages
-    why: str = ""  # one line for the log
+    why: str = ""  # why this many, for the log ("label.num_workers=2")
+    note: str = ""  # what the cluster made of the device ("no GPU in the cluster, so CPU actors ..."), or ""
+
+    @property
+    def reason(self) -> str:
+        """``why`` and ``note`` in one clause, for the log."""
+        return f"{self.why}; {self.note}" if self.note else self.why
 
     @property
     def on_gpu(self) -> bool:
@@ -58,16 +64,16 @@ def plan_workers(res: Resources, cluster: Dict[str, float]) -> Placement:
     if device.startswith("cuda") or gpus > 0:
         runs_on = "cpu" if device == "cpu" else "cuda"
         expected = n or max(gpus, 1)
-        why = (f"{key}={n}" if n else f"{key}=null: every GPU ({gpus} now)") + \
-            (", models on the CPU (model.device=cpu)" if runs_on == "cpu" else "")
-        return Placement(expected, 1.0, res.cpus_per_worker, runs_on, elastic=n is None, key=key, why=why)
+        why = f"{key}={n}" if n else f"{key}=null: every GPU ({gpus} now)"
+        note = "models on the CPU (model.device=cpu)" if runs_on == "cpu" else ""
+        return Placement(expected, 1.0, res.cpus_per_worker, runs_on, elastic=n is None, key=key, why=why,
+                         note=note)
     cpus = cluster.get("CPU", 1)
     # Leave one worker's worth of CPU for the driver and Ray's own tasks.
     expected = n or max(1, int(cpus / res.cpus_per_worker) - 1)
     why = f"{key}={n}" if n else f"{key}=null: the cluster's {cpus:g} CPUs less one"
-    if device == "auto":
-        why += "; no GPU in the cluster, so CPU actors (model.device=cuda waits for GPUs instead)"
-    return Placement(expected, 0.0, res.cpus_per_worker, "cpu", key=key, why=why)
+    note = "no GPU in the cluster, so CPU actors (model.device=cuda waits for GPUs instead)" if device == "auto" else ""
+    return Placement(expected, 0.0, res.cpus_per_worker, "cpu", key=key, why=why, note=note)
 
 
 def avoiding(nodes: Iterable[str]) -> Optional[Dict[str, str]]:

@@ -16,7 +16,7 @@ from pipeline.executor.stage import ShardStage, ShardTask
 from pipeline.runtime.log import get as log
 
 from .placement import plan_workers
-from .actor import bound_actor_class, worker_line
+from .actor import bound_actor_class, says_more, worker_line
 from .pool_workers import ActorState, PoolActor, WorkerStarts
 
 
@@ -181,7 +181,8 @@ class PoolRun(WorkerStarts):
             return self.setup_failed(a, info["setup_error"])
         if info.get("pid") != a.pid or info["identity"] != a.identity or not was_lost:  # a new process
             self.infos.append(info)
-            self.say.info(worker_line(info) + (f" (restarted worker {a.identity})" if was_lost else ""))
+            (self.say.info if was_lost or says_more(info) else self.say.debug)(
+                worker_line(info) + (f" (restarted worker {a.identity})" if was_lost else ""))
         a.sees(info)
         if a.shard is not None:
             self.send(a, a.shard)

@@ -70,7 +70,8 @@ class WorkerStarts:
         up; returns the preflight's report."""
         from .preflight import preflight
 
-        self.say.info(f"workers: {self.place.describe()} ({self.place.why})")
+        # the preflight's line repeats it once they answer; while they do not, its progress lines say what they wait for
+        self.say.debug(f"workers: {self.place.describe()} ({self.place.reason})")
         for _ in range(n):
             self.new_actor()
         report = preflight(self, self.actors)

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from pipeline.executor.preflight import driver_probe, table, unreadable, verdict
-from pipeline.runtime.log import get as log
+from pipeline.executor.preflight import driver_probe, one_line, table, unreadable, verdict
+from pipeline.runtime.log import get as log, said_before
 
 
 class PreflightRefused(ValueError):
@@ -35,8 +35,9 @@ class Report:
     problems: List[tuple]
 
 
-def preflight(run, actors) -> Report:
-    """The checks on ``actors`` (PoolActors of ``run``, a pipeline.executor.ray.pool_run.PoolRun); raises PreflightRefused."""
+def preflight(run, actors, full_table: bool = False) -> Report:
+    """The checks on ``actors`` (PoolActors of ``run``, a pipeline.executor.ray.pool_run.PoolRun); raises
+    PreflightRefused. ``full_table``: a row per worker even where they are all alike."""
     stage, place, ray = run.stage, run.place, run.ray
     spec = stage.preflight_spec(place, uuid.uuid4().hex[:12])
     rows = _gather(run, actors, spec)
@@ -69,9 +70,17 @@ def preflight(run, actors) -> Report:
                 r["output_dir"] = "w"
     problems = verdict(spec, rows)
     say = log(stage.name)
-    say.info(f"preflight: {sum('pid' in r for r in rows)}/{len(actors)} workers ({place.describe()})")
-    for line in table(rows):
-        say.info("  " + line)
+    ready = f"preflight: {sum('pid' in r for r in rows)}/{len(actors)} workers"
+    short = None if full_table else one_line(rows)
+    # in one `blockpilot run`, a later stage whose workers are placed and check out as the previous one's says so
+    if short and said_before("workers", (place.describe(), place.note, short)):
+        say.info(f"{ready} ({place.why}): placed and checked as the previous stage's")
+    elif short:  # a stage's run: identical healthy workers in one line (`blockpilot preflight` prints every row)
+        say.info(f"{ready} ({place.describe()}; {place.reason}): {short}")
+    else:
+        say.info(f"{ready} ({place.describe()}; {place.reason})")
+        for line in table(rows):
+            say.info("  " + line)
     for line in ((rows[0].get("memory") or {}).get("plan") or "").splitlines():  # the first worker's plan, with -v
         say.debug("  " + line)
     _clean(spec)

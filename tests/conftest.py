@@ -24,13 +24,17 @@ REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
-# The slowest modules (seconds, `--durations=0` of the whole suite on this 2-core machine, 2026-12-05), run first:
-# `-n 2 --dist loadfile` hands whole modules to the workers in collection order, and a long module collected last
-# left one worker idle for minutes at the end (longest first keeps the two within about a module of each other).
-SLOWEST_FIRST = ["test_faults", "test_vllm", "test_stages", "test_cluster", "test_model_refusals",
-                 "test_gpu_check_cpu", "test_object_storage", "test_cluster_growth", "test_store_faults",
-                 "test_real_shapes", "test_sampled_run", "test_simulate", "test_distribution_check", "test_replay",
-                 "test_compiled", "test_pool_failures"]
+# The slowest modules first (by their summed `--durations=0` times in the whole suite on this 2-core machine,
+# 2026-12-05): `-n 2 --dist loadfile --no-loadscope-reorder` hands whole modules to the workers in this order, each
+# worker taking the next when it finishes one, so that the last module to start is a short one (longest first keeps
+# the two within about a module of each other). xdist's default order (--loadscope-reorder, on unless turned off in
+# pyproject.toml's addopts) sorts modules by their number of tests instead: it started test_real_shapes (one test,
+# 182 s) last, and one worker then ran alone for its last three minutes.
+SLOWEST_FIRST = ["test_faults", "test_stages", "test_cluster", "test_object_storage", "test_vllm", "test_real_shapes",
+                 "test_gpu_check_cpu", "test_store_faults", "test_cluster_growth", "test_model_refusals",
+                 "test_distribution_check", "test_sampled_run", "test_broken_device", "test_simulate", "test_replay",
+                 "test_compiled", "test_batched", "test_step_rule_sampling", "test_pool_failures",
+                 "test_pool_timeouts", "test_install", "test_validate", "test_rayjob", "test_expected_acceptance"]
 
 
 def pytest_collection_modifyitems(items):

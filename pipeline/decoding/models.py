@@ -106,11 +106,27 @@ TRANSIENT_ERRORS = {"ConnectionError", "TimeoutError", "Timeout", "TransportErro
 
 def transient_hub_error(err: BaseException) -> bool:
     """A failure worth another try: an HTTP status the hub answers when busy, or the connection itself failing
-    (httpx's and requests' exception families, by name). Not a 404, 401, gated repo or bad revision."""
+    (httpx's and requests' exception families, by name). Not a 404, 401, gated repo or bad revision, and not a host
+    name that does not resolve (EAI_NONAME: no DNS answer for it, on a machine without network, is no moment's
+    failure; it cost every offline process 20 s of waits before the cache's commit; a DNS server that fails for a
+    moment, EAI_AGAIN, is retried)."""
     status = getattr(getattr(err, "response", None), "status_code", None)
     if status is not None:
         return status in TRANSIENT_STATUS
-    return bool({c.__name__ for c in type(err).__mro__} & TRANSIENT_ERRORS)
+    return bool({c.__name__ for c in type(err).__mro__} & TRANSIENT_ERRORS) and not _name_unknown(err)
+
+
+def _name_unknown(err: Optional[BaseException]) -> bool:
+    """Whether ``err`` comes, through its causes, from a host name with no DNS answer (socket.EAI_NONAME)."""
+    import socket
+
+    for _ in range(12):  # httpx.ConnectError <- httpcore.ConnectError <- socket.gaierror
+        if err is None:
+            return False
+        if isinstance(err, socket.gaierror) and err.errno == socket.EAI_NONAME:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def with_hub_retries(call, what: str, attempts: Optional[int] = None, sleep=None):

@@ -55,6 +55,12 @@ def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_f
         run = blockpilot_here("run", f"output_dir={out}", f"model.target={target}", f"model.draft={draft}", *SETTINGS)
         assert run.rc == 0, run.tail(80)
         print("[real shapes] " + next(x for x in run.lines if x.startswith("[run] done in ")))
+        # one run says each thing once (#51): the table at c = 4 in the closing block alone; each decoding stage's
+        # preflight in one line (identical workers; tune is off with evaluate.per_step=false)
+        assert sum(x.startswith("c=4: method") or "] c=4: method" in x for x in run.lines) == 1, run.tail(80)
+        preflights = [x for x in run.lines if " preflight: " in x]
+        assert [x.split("]")[0] for x in preflights] == ["[label", "[evaluate"], preflights
+        assert all("every worker cpu, float32, models ok, output rw" in x for x in preflights), preflights
 
         labels = out / "labels"
         shard = sorted(labels.glob("part-*.parquet"))[0]

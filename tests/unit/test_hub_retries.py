@@ -81,3 +81,33 @@ def test_a_missing_repo_is_not_retried(hub):
     with pytest.raises(models.ModelNotFound, match="owner/absent"):
         models.hub_commit("owner/absent", None, "model.target")
     assert len(hub.seen) == 1
+
+
+def test_a_hub_name_that_does_not_resolve_is_not_retried_and_a_moment_of_dns_is(monkeypatch, caplog):
+    """A hub host with no DNS answer (a machine without network; `.invalid` never resolves, RFC 2606) fails at
+    once: its 4 waits cost every offline process 20 s before the cache's commit. A DNS server failing for a moment
+    (EAI_AGAIN) is still retried."""
+    import socket
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.blockpilot.invalid")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "cached_commit", lambda repo, revision: None)
+    models.hub_commit.cache_clear()
+    caplog.set_level("WARNING", logger="blockpilot")
+    try:
+        with pytest.raises(models.ModelNotFound, match="model.target: hub id 'owner/tiny' could not be resolved"):
+            models.hub_commit("owner/tiny", None, "model.target")
+    finally:
+        models.hub_commit.cache_clear()
+    assert not [r for r in caplog.records if "trying again" in r.getMessage()]  # not one wait
+
+    def again():
+        try:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        except socket.gaierror as err:
+            raise ConnectionError("could not connect") from err
+
+    waits = []
+    with pytest.raises(ConnectionError):
+        models.with_hub_retries(again, "model.target", attempts=3, sleep=waits.append)
+    assert len(waits) == 2  # retried

@@ -241,8 +241,17 @@ def load_target(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
 
     loc = locate(cfg.target, cfg.target_revision, "model.target")
     loaded = AutoModelForCausalLM.from_pretrained(loc.path, revision=loc.revision, dtype=dtype,
-                                                  trust_remote_code=cfg.trust_remote_code, **LOADING_INFO)
-    return checked(loaded, "model.target", cfg.target).to(device).eval()
+                                                  trust_remote_code=cfg.trust_remote_code,
+                                                  **straight_to(device), **LOADING_INFO)
+    return checked(loaded, "model.target", cfg.target).to(device).eval()  # (.to: a no-op once there)
+
+
+def straight_to(device: torch.device) -> Dict[str, Any]:
+    """from_pretrained's arguments that put each tensor on ``device`` as it is read (transformers' single-device
+    ``device_map``, which needs accelerate installed and adds no dispatch hooks), instead of the whole model in host
+    memory first and then a copy: 8 label actors of a node loading an 8B target each held 16 GB of host memory at
+    once that way."""
+    return {"device_map": {"": device}}
 
 
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")  # the dflash.model classes a draft can be
@@ -285,8 +294,8 @@ def read_draft_config(loc: Located, key: str):
 def load_draft(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     loc = locate(cfg.draft, cfg.draft_revision, "model.draft")
     cls = draft_class(draft_config(cfg), f"model.draft: {cfg.draft}")
-    model = checked(cls.from_pretrained(loc.path, revision=loc.revision, dtype=dtype, **LOADING_INFO),
-                    "model.draft", cfg.draft)
+    model = checked(cls.from_pretrained(loc.path, revision=loc.revision, dtype=dtype, **straight_to(device),
+                                        **LOADING_INFO), "model.draft", cfg.draft)
     if model.mask_token_id is None:
         raise ValueError(f"model.draft: {cfg.draft}: config has no dflash_config.mask_token_id")
     return model.to(device).eval()

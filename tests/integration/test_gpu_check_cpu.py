@@ -26,8 +26,9 @@ def dry_run(out: Path, **env):
                           timeout=900)
 
 
-# Over 120 s (126 s alone on a quiet machine, 2026-12-05; 150 s before the dry run's replay and pipeline were cut):
-# the script's eight steps each start a fresh interpreter (~4 s of imports each), its pipeline step starts a local
+# Over 120 s (123 s alone on a quiet machine, 161 s in the suite, 2026-12-05; 150 s before the dry run's replay and
+# pipeline were cut):
+# the script's seven CPU steps each start a fresh interpreter (~4 s of imports each), its pipeline step starts a local
 # Ray and runs all six stages (45 s: label 13, Ray Train 14, evaluate 9), and vLLM starts once (18 s). What it proves
 # is that every step of the GPU script runs and writes what its summary reads, which a smaller run cannot show.
 def test_gpu_check_dry_run_on_cpu(tmp_path):

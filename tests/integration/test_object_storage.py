@@ -39,8 +39,9 @@ def ids(folder) -> list:
                   ["prompt_id"].to_pylist())
 
 
-# Over 120 s (159-208 s in the suite): four CLI runs, each with its own local Ray (label killed, label rerun, train
-# killed, train rerun), because each kill and resume must go through the bucket from a fresh process.
+# Over 120 s (130 s alone, 236-241 s in the suite beside the other Ray modules, 2026-12-05): four CLI runs, each
+# with its own local Ray (label killed, label rerun, train killed, train rerun), because each kill and resume must
+# go through the bucket from a fresh process.
 @pytest.mark.faults
 def test_prepare_label_train_in_s3_with_kills_and_resumes(s3_bucket, fault_row, ray_session):
     out = f"{s3_bucket}/run"

@@ -4,12 +4,12 @@ whose config.json has the z-lab DFlash-b16 layout (``block_size`` 16, ``dflash_c
 shallow, so that a CPU runs it, but every code path meets the real vocabulary and the real config keys.
 
 ``blockpilot run`` (prepare, label at B = 16's candidates 14..18, train with the paper's MLP and objective on the
-V = 151,936 logits, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short outputs; its
-through the CLI's entry point on the session's Ray (the Ray
-start-up and fresh interpreters a subprocess adds prove nothing about the vocabulary; the README's first command's own
-local Ray is tests/integration/test_stages.py's and test_sampled_run.py's). The MLP's head is narrow (64 wide, not the paper's 2,048): the
-vocabulary is what this test is about, and at 2,048 the first layer alone (311M parameters, ~5 GB of checkpoints)
-took most of its six minutes. Its parameter count is derived from V and the width, and read from the exported file.
+V = 151,936 logits, evaluate at c = 1 and c = 4) then ``blockpilot deploy``, on a few prompts with short outputs,
+through the CLI's entry point on the session's Ray (the Ray start-up and fresh interpreters a subprocess adds prove
+nothing about the vocabulary; the README's first command's own local Ray is test_stages.py's and
+test_sampled_run.py's). The MLP's head is narrow (64 wide, not the paper's 2,048): the vocabulary is what this
+test is about, and at 2,048 the first layer alone (311M parameters, ~5 GB of checkpoints) took most of its six
+minutes. Its parameter count is derived from V and the width, and read from the exported file.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ SETTINGS = [
 ]
 
 
-# Over 120 s (112-220 s in the suite, by what runs beside it): every stage at V = 151,936, where each logits
-# row is 600 KB and the label, train and evaluate stages move them for real; that vocabulary is what it proves.
+# Near 120 s (96 s alone, 110-114 s in the suite on its session Ray, 2026-12-05): every stage at V = 151,936, where
+# each logits row is 600 KB and the label, train and evaluate stages move them for real; that vocabulary is what it
+# proves.
 def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory, ray_session):
     work = tmp_path_factory.mktemp("real-shapes")
     try:

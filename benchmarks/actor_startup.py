@@ -100,8 +100,9 @@ def main() -> None:
             for variant, runs in got.items():
                 walls = [w for w, _, _ in runs]
                 print(f"  {variant:<6} start-up of the slowest {statistics.median(walls):6.2f} s "
-                      f"(min {min(walls):.2f}, max {max(walls):.2f}); hashes per round {sorted({h for _, h, _ in runs})}; peak RSS per "
-                      f"process {statistics.median(m for _, _, m in runs):.0f} MB")
+                      f"(min {min(walls):.2f}, max {max(walls):.2f}); hashes per round "
+                      f"{sorted({h for _, h, _ in runs})}; peak RSS per process "
+                      f"{statistics.median(m for _, _, m in runs):.0f} MB")
             ratio = statistics.median(w for w, _, _ in got["after"]) / statistics.median(w for w, _, _ in got["before"])
             print(f"  after/before (median start-up): {ratio:.2f}x")
 

@@ -19,7 +19,6 @@ saves is the host copy of each GPU actor's weights, which only a GPU node shows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing
 import os
 import resource
@@ -30,31 +29,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "tests"):
+for p in (ROOT, ROOT / "tests", ROOT / "benchmarks"):
     sys.path.insert(0, str(p))
 
 
 def start_up(target: str, draft: str, before: bool, log: str, start: str) -> tuple:
     """One worker's start-up in a fresh process: (seconds, peak RSS in MB)."""
     import torch
+    from digest_once_per_node import counted_and_ready
 
     from pipeline.decoding import models, provenance
     from pipeline.runtime.config import ModelConfig
 
     torch.set_num_threads(1)
     if before:
-        provenance._lock = lambda real: contextlib.nullcontext()
         models.straight_to = lambda device: {}
-    hashed = provenance._sha256_file
-
-    def counted(real):
-        with open(log, "a") as f:
-            f.write("x\n")
-        return hashed(real)
-
-    provenance._sha256_file = counted
-    while not os.path.exists(start):
-        time.sleep(0.001)
+    counted_and_ready(not before, log, start)  # the hashes counted; "before" without the per-file lock
     t0 = time.perf_counter()
     provenance.model_provenance(target, None, "model.target")
     provenance.model_provenance(draft, None, "model.draft")

@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.decoding import provenance  # noqa: E402
 
 
-def digest(path: str, lock: bool, log: str, start: str) -> float:
+def counted_and_ready(lock: bool, log: str, start: str) -> None:
+    """In a benchmark's worker process: the per-file lock off where ``lock`` is false ("before"), each hash
+    appended to ``log``, then wait for ``start`` to exist (every process released at once). benchmarks/
+    actor_startup.py's workers do the same."""
     if not lock:
         provenance._lock = lambda real: contextlib.nullcontext()
     hashed = provenance._sha256_file
@@ -38,6 +41,10 @@ def digest(path: str, lock: bool, log: str, start: str) -> float:
     provenance._sha256_file = counted
     while not os.path.exists(start):
         time.sleep(0.001)
+
+
+def digest(path: str, lock: bool, log: str, start: str) -> float:
+    counted_and_ready(lock, log, start)
     t0 = time.perf_counter()
     provenance.file_digest(Path(path))
     return time.perf_counter() - t0

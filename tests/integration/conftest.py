@@ -246,10 +246,11 @@ def blockpilot(stage: str, *overrides: str, timeout: float = 300, env: Optional[
 
 
 class InProcess:
-    """What :func:`blockpilot_here` returns: the CLI's exit status and its lines, as :class:`Run` has them."""
+    """What :func:`blockpilot_here` returns: the CLI's exit status and its lines, as :class:`Run` has them, and what
+    the session Ray's workers (actors, Ray Train's workers) printed meanwhile (``workers``)."""
 
-    def __init__(self, rc: int, output: str):
-        self.rc, self.output = rc, output
+    def __init__(self, rc: int, output: str, workers: str = ""):
+        self.rc, self.output, self.workers = rc, output, workers
         self.lines = output.splitlines()
 
     def tail(self, n: int = 60) -> str:
@@ -273,6 +274,7 @@ def blockpilot_here(stage: str, *overrides: str) -> InProcess:
     logger = logging.getLogger(ROOT)
     handlers, level, environ = list(logger.handlers), logger.level, dict(os.environ)
     buf = io.StringIO()
+    before = _worker_logs()
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             try:
@@ -284,4 +286,26 @@ def blockpilot_here(stage: str, *overrides: str) -> InProcess:
         logger.setLevel(level)
         os.environ.clear()
         os.environ.update(environ)
-    return InProcess(rc, buf.getvalue())
+    return InProcess(rc, buf.getvalue(), _worker_output_since(before))
+
+
+def _worker_logs() -> Dict[Path, int]:
+    """The session Ray's worker output files (``logs/worker-*.out`` and ``.err``: a worker's stdout and stderr go
+    there, as the session keeps them from its driver, log_to_driver=False) and their sizes now."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return {p: p.stat().st_size for p in [*logs.glob("worker-*.out"), *logs.glob("worker-*.err")]}
+
+
+def _worker_output_since(before: Dict[Path, int]) -> str:
+    """What the session's workers printed since ``before``: the tests of one pytest worker run one at a time on its
+    session Ray, so what was added belongs to the call in between."""
+    text = []
+    for path, size in _worker_logs().items():
+        with open(path, "rb") as f:
+            f.seek(before.get(path, 0))
+            text.append(f.read().decode(errors="replace"))
+    return "".join(text)

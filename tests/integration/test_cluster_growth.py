@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import uuid
 
 import pytest
 
@@ -121,7 +122,8 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")
     held, killing = _inject(tmp_path / "on-a", HOLD_FIRST_PROMPT), _inject(tmp_path / "on-b", KILL_LABEL_LOADS)
     a = cluster.add_node("gpu-a", gpus=1, cpus=2, env=held)
-    job = cluster.submit("jobs/label.py", f"output_dir={out}", *SMALL, wait=False)
+    job_id = f"growth-{uuid.uuid4().hex[:8]}"
+    job = cluster.submit("jobs/label.py", f"output_dir={out}", *SMALL, wait=False, submission_id=job_id)
     try:
         found = job.wait_for(lambda: re.search(rf"^\[label\] worker {a.node_id[:12]}\S* pid=(\d+)", job.output, re.M),
                              600, "A's worker to set up")
@@ -136,8 +138,9 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
         open(held["BP_RELEASE"], "w").close()
         rc = job.wait(600)
     finally:
-        if job.proc.poll() is None:
+        if job.proc.poll() is None:  # failed mid-way: the job itself stopped too, or the next test waits on its GPUs
             job.kill()
+            cluster.stop_job(job_id)
     assert rc == 0, job.tail(80)
     assert _pids(killing), "B's model load was never seen"
     assert re.search(r"a GPU joined the cluster", job.output), job.tail(80)

@@ -44,10 +44,10 @@ def rename(kind: str):
 
 
 @pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
+def prompts(tmp_path_factory, ray_session):
     out = tmp_path_factory.mktemp("refusals")
-    run = blockpilot("prepare", f"output_dir={out}", *FAST)
-    assert run.proc.returncode == 0, run.tail()
+    run = blockpilot_here("prepare", f"output_dir={out}", *FAST)
+    assert run.rc == 0, run.tail()
     return out
 
 

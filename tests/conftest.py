@@ -93,12 +93,15 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(s3_server):
     """One local Ray for the whole session, advertising 2 GPUs that do not exist: label and evaluate then place
-    one actor per (fake) GPU exactly as on a GPU node, while the models run on the CPU (CUDA is absent)."""
+    one actor per (fake) GPU exactly as on a GPU node, while the models run on the CPU (CUDA is absent). Its workers
+    get the session's S3 server's client environment (the job's runtime_env), so that a stage in this process can
+    write to a test's bucket from its actors and Ray Train workers as a fresh process's local Ray would."""
     import ray
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": dict(s3_server.env)})
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False

@@ -289,6 +289,13 @@ def blockpilot_here(stage: str, *overrides: str) -> InProcess:
     return InProcess(rc, buf.getvalue(), _worker_output_since(before))
 
 
+
+def validate(labels) -> subprocess.CompletedProcess:
+    """``blockpilot validate LABELS`` through the CLI's entry point here (it starts no Ray): its exit status and
+    output, as a subprocess would give them."""
+    run = blockpilot_here("validate", str(labels))
+    return subprocess.CompletedProcess(["blockpilot", "validate", str(labels)], run.rc, run.output, "")
+
 def _worker_logs() -> Dict[Path, int]:
     """The session Ray's worker output files (``logs/worker-*.out`` and ``.err``: a worker's stdout and stderr go
     there, as the session keeps them from its driver, log_to_driver=False) and their sizes now."""

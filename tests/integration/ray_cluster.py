@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from .conftest import (PYTHON, RAY, REPO, Run, base_env, free_port_range, free_ports, kill_group, marked_pids,
+from .conftest import (PYTHON, RAY, Run, base_env, free_port_range, free_ports, kill_group, marked_pids,
                        reap, short_tmpdir)
 
 # The 2 GB venv, the git store and local runs must not be uploaded with the working dir.

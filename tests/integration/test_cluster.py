@@ -25,7 +25,7 @@ import pytest
 
 from conftest import FAST
 
-from .conftest import BLOCKPILOT, PYTHON, RAY, REPO, Run, marked_pids
+from .conftest import BLOCKPILOT, PYTHON, RAY, REPO, Run, marked_pids, validate
 from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
 
 # Ray's default ports: none of them may be used here, so a default Ray on the same machine is left alone.
@@ -115,7 +115,7 @@ def test_label_job_places_one_actor_per_node_gpu(cluster, labelled):
     assert len({w["node_id"] for w in workers}) == 2, workers  # one actor on each node
     assert {w["node_id"] for w in workers} == set(cluster.node_ids)
     assert manifest["rows"] == 16
-    v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    v = validate(labels)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "OK" in v.stdout.splitlines()[0]
 
@@ -380,7 +380,7 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
     print(f"[lost node] compared {compared}; label_speedup_block_size equal on {same}/16 rows "
           f"(step ms: reference {json.loads((ref_dir / 'labels' / 'summary.json').read_text())['step_cost_ms']}, "
           f"this run {json.loads((labels / 'summary.json').read_text())['step_cost_ms']})")
-    v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    v = validate(labels)
     assert v.returncode == 0, v.stdout + v.stderr
 
 

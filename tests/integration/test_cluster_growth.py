@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import uuid
 
 import pytest
 
 from conftest import FAST
 
-from .conftest import BLOCKPILOT, REPO
+from .conftest import validate
 from .ray_cluster import Cluster, job_ok as _ok
 
 pytestmark = pytest.mark.faults
@@ -162,7 +161,7 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
     by_node = {w["identity"][:12] for w in manifest["workers"]}
     assert by_node == {a.node_id[:12], c.node_id[:12]}, manifest["workers"]
     assert {r["worker"][:12] for r in rows} == {a.node_id[:12], c.node_id[:12]}
-    v = subprocess.run([BLOCKPILOT, "validate", str(labels)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    v = validate(labels)
     assert v.returncode == 0, v.stdout + v.stderr
 
 

@@ -27,8 +27,8 @@ import pytest
 from conftest import FAST
 from pipeline.io.shards import is_complete, list_shards
 
-from .conftest import (BLOCKPILOT, PYTHON, REPO, Run, base_env, blockpilot, blockpilot_here, marked_pids,
-                       ray_sessions, reap, short_tmpdir)
+from .conftest import (PYTHON, REPO, Run, base_env, blockpilot_here, marked_pids, ray_sessions, reap,
+                       short_tmpdir, validate)
 
 # 16 prompts in 4 shards of 4, 32 new tokens, 0.5 CPU per actor, each run its own local Ray.
 SMALL = [*FAST, "prepare.shard_size=4", "ray.address=local"]
@@ -57,13 +57,6 @@ def label_rows(labels: Path) -> list:
 def prompt_ids(out: Path) -> list:
     return sorted(i for p in list_shards(out / "prompts") for i in pq.read_table(p, columns=["prompt_id"])["prompt_id"]
                   .to_pylist())
-
-
-def validate(labels: Path) -> subprocess.CompletedProcess:
-    """``blockpilot validate LABELS`` through the CLI's entry point here (it starts no Ray): its exit status and
-    output, as a subprocess would give them."""
-    run = blockpilot_here("validate", str(labels))
-    return subprocess.CompletedProcess(["blockpilot", "validate", str(labels)], run.rc, run.output, "")
 
 
 def assert_no_ray_left(run: Run) -> None:

@@ -43,7 +43,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     engine = json.loads((out / "engine-cpu-float32.json").read_text())
     assert engine["cases"] == 20 and engine["ok"], engine  # 4 random pairs x 5 block sizes
     assert engine["ids_equal_dflash"] == engine["steps_equal_dflash"] == engine["lossless_vs_greedy"] == 20, engine
-    assert f"ids = dflash 20/20, steps = dflash 20/20, lossless vs plain greedy 20/20" in summary, summary
+    assert "ids = dflash 20/20, steps = dflash 20/20, lossless vs plain greedy 20/20" in summary, summary
     replay = json.loads((out / "replay-cpu-float32.json").read_text())  # fp32 on CPU: replay is exact there
     for pair, prompts in (("tiny_pair", 5), ("random_8b_shapes", 1)):
         r = replay[pair]

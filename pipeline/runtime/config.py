@@ -343,6 +343,9 @@ class WorkerConfig:
     # Seconds a started worker's preflight checks may take (hashing a local model folder, reading the others'
     # probes), counted from its start, apart from wait_s: a worker still checking is told apart from one not started.
     check_timeout_s: float = 900.0
+    # Seconds a stage's one-off task (evaluate's pass at load, tune's load check) may run once it has started; its
+    # wait for resources before that is wait_s's.
+    task_timeout_s: float = 7200.0
 
 
 @dataclass

@@ -27,6 +27,7 @@ def test_merge_order_schema_default_file_overrides(tmp_path):
     (["decode.temperature=0.7", "label.mode=replay"], "label.mode"),
     (["prepare.sources=[{name: x, path: y}]"], "prepare.sources[0].kind"),
     (["prepare.sources=[{name: x, kind: csv, path: y}]"], "prepare.sources[0].kind"),
+    (["workers.task_timeout_s=0"], "workers.task_timeout_s"),
 ])
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -15,7 +15,12 @@ from pipeline.runtime.log import get as log
 
 
 def on_a_worker(stage, fn: Callable, *args, what: str) -> Any:
-    """``fn(*args)`` in a Ray task of one worker's resources (a progress line every minute), or here without Ray."""
+    """``fn(*args)`` in a Ray task of one worker's resources, or here without Ray.
+
+    The task says when it starts (its first streamed item: node and pid), so that waiting for resources (pending:
+    GPUs held by the stage's own actors as they shut down, or by another job) is told apart from running, each with
+    its own clock and line every minute: pending for up to ``workers.wait_s``, running for up to
+    ``workers.task_timeout_s``. Past either, the task is cancelled and the stage fails naming the key."""
     import ray
 
     if not ray.is_initialized():
@@ -23,13 +28,41 @@ def on_a_worker(stage, fn: Callable, *args, what: str) -> Any:
     from .placement import plan_workers
 
     place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
-    task = ray.remote(fn).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0)
-    say = log(stage.name)
-    say.debug(f"{what}: one task of {place.asks()} (models on {place.device})")  # long ones say so every minute
-    ref, t0 = task.remote(*args), time.monotonic()
-    while not ray.wait([ref], timeout=60.0)[0]:
-        say.info(f"{what}: running for {time.monotonic() - t0:.0f} s")
-    return ray.get(ref)
+    task = ray.remote(_announced).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0,
+                                          num_returns="streaming")
+    say, workers = log(stage.name), stage.cfg.workers
+    say.debug(f"{what}: one task of {place.asks()} (models on {place.device})")
+    gen = task.remote(fn, *args)
+    started = _await(gen, what, "waiting for " + place.asks(), workers.wait_s, "workers.wait_s", say)
+    say.debug(f"{what}: started on node {started['node_id'][:12]} pid={started['pid']}")
+    return _await(gen, what, "running", workers.task_timeout_s, "workers.task_timeout_s", say)
+
+
+def _announced(fn: Callable, *args) -> Iterator[Any]:
+    """The task's body: first where it runs (the driver's sign that it started), then ``fn(*args)``."""
+    import os
+
+    import ray
+
+    yield {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+    yield fn(*args)
+
+
+def _await(gen, what: str, doing: str, limit_s: float, key: str, say) -> Any:
+    """The streamed task's next item, with a line every minute while it is ``doing``; past ``limit_s`` the task is
+    cancelled and a TimeoutError names ``key``."""
+    import ray
+
+    t0 = time.monotonic()
+    while True:
+        left = limit_s - (time.monotonic() - t0)
+        if left <= 0:
+            ray.cancel(gen, force=True)
+            raise TimeoutError(f"{key}: {what} still {doing} after {limit_s:g} s; the task was cancelled (allow "
+                               f"longer with {key}, or look at what holds the cluster's resources)")
+        if ray.wait([gen], timeout=min(60.0, left))[0]:
+            return ray.get(next(gen))
+        say.info(f"{what}: {doing} for {time.monotonic() - t0:.0f} s")
 
 
 @contextmanager

@@ -1,8 +1,8 @@
 """evaluate's pass at load: every evaluation prompt served c at a time for each c > 1 of ``evaluate.concurrency``.
 
-Runs after evaluate's per-prompt shards, in one Ray task with the stage's device resources (a GPU of a worker node,
-or one CPU: a wall-clock benchmark wants one quiet process, and the job's driver may have no GPU at all), on one
-thread on a CPU; in this process when Ray is not running (tests). The batched engine
+Runs after evaluate's per-prompt shards, in Ray tasks with the stage's device resources (on GPUs, the loads dealt
+out one part per worker, each on its own GPU; on CPUs one task on one thread: a wall-clock benchmark wants one quiet
+process; never the job's driver, which may have no GPU at all); in this process when Ray is not running (tests). The batched engine
 (pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
 ``eval/load.parquet`` (one row per c x method x repeat) and ``eval/load.json`` (per c: the table, the headline
 against b*(c) and b*(1) with measured intervals, the cost model's error); a rerun with the same policy, prompts and
@@ -48,9 +48,14 @@ def run_load(cfg, stage, tables: bool = True) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    from pipeline.executor.ray.device_task import on_a_worker
+    from pipeline.executor.ray.device_task import on_workers, split
 
-    summaries, rows, where = on_a_worker(stage, _measure, cfg, stage, loads, info, what="at load")
+    # on GPUs, the loads dealt out to the stage's workers, one part each (each c is measured on one GPU alone)
+    parts = on_workers(stage, _measure, [(cfg, stage, group, info) for group in split(loads, stage)],
+                       what="at load")
+    summaries = dict(sorted(((c, s) for got, _, _ in parts for c, s in got.items()), key=lambda x: int(x[0])))
+    rows = [r for _, got, _ in parts for r in got]
+    where = [w for _, _, w in parts] if len(parts) > 1 else parts[0][2]
     from pipeline.evaluation.load import render_load
 
     for summary in summaries.values():

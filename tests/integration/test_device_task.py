@@ -1,7 +1,7 @@
-"""A decoding stage's one-off task (pipeline.executor.ray.device_task.on_a_worker: evaluate's pass at load, tune's
-load check) on the session's Ray: its result comes back; waiting for resources is told apart from running, each
-with its own deadline (workers.wait_s, workers.task_timeout_s), past which the task is cancelled and the error names
-the key."""
+"""A decoding stage's one-off tasks (pipeline.executor.ray.device_task.on_workers: evaluate's pass at load, tune's
+load check) on the session's Ray (2 logical GPUs): results come back in order, parts on GPUs run at once; waiting for
+resources is told apart from running, each with its own deadline (workers.wait_s, workers.task_timeout_s), past
+which the task is cancelled and the error names the key."""
 
 from __future__ import annotations
 
@@ -12,18 +12,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.executor.ray.device_task import on_a_worker
+from pipeline.executor.ray.device_task import on_a_worker, on_workers, split
 from pipeline.executor.ray.placement import Placement
 
 
-def stage(gpus: float = 0, wait_s: float = 60.0, task_timeout_s: float = 60.0):
-    """What on_a_worker reads of a decoding stage: its name, placement and worker settings."""
-    return SimpleNamespace(name="evaluate", placement=Placement(1, gpus, 0.5, "cpu"),
+def stage(gpus: float = 0, wait_s: float = 60.0, task_timeout_s: float = 60.0, workers: int = 1, device="cpu"):
+    """What on_workers reads of a decoding stage: its name, placement and worker settings (the functions here
+    ignore the device: the session's GPUs are logical)."""
+    return SimpleNamespace(name="evaluate", placement=Placement(workers, gpus, 0.5, device),
                            cfg=SimpleNamespace(workers=SimpleNamespace(wait_s=wait_s, task_timeout_s=task_timeout_s)))
 
 
 def where_and(x):
     return os.getpid(), x * 2
+
+
+def pid_after(seconds, x):
+    time.sleep(seconds)
+    return os.getpid(), x
 
 
 def sleep_then(seconds, path):
@@ -61,3 +67,19 @@ def test_a_task_that_runs_past_task_timeout_s_is_cancelled_naming_it(ray_session
     assert marker.exists()  # it had started: running, not pending
     time.sleep(4.0)  # past its 3 s of sleep: had it not been cancelled, it would have written "finished"
     assert marker.read_text() == ""
+
+
+def test_loads_are_dealt_one_part_per_gpu_worker_and_one_part_on_cpus():
+    assert split([4, 16, 32], stage(gpus=1, workers=2, device="cuda")) == [[4, 32], [16]]
+    assert split([4, 16], stage(gpus=1, workers=8, device="cuda")) == [[4], [16]]
+    assert split([4, 16, 32], stage(gpus=0, workers=2)) == [[4, 16, 32]]  # CPUs: one quiet process
+    assert split([4, 16, 32], stage(gpus=1, workers=2)) == [[4, 16, 32]]  # logical GPUs, the models on CPUs
+    assert split([], stage(gpus=1, workers=2, device="cuda")) == [[]]
+
+
+def test_parts_on_gpus_run_at_once_and_a_part_waiting_for_a_siblings_gpu_is_not_timed_out(ray_session):
+    # 3 parts of 1 GPU on the session's 2: the third waits ~6 s for a sibling's GPU, past wait_s = 4 s, and runs
+    got = on_workers(stage(gpus=1, wait_s=4.0, workers=3), pid_after, [(6.0, "a"), (6.0, "b"), (6.0, "c")],
+                     what="at load")
+    assert [x for _, x in got] == ["a", "b", "c"]  # in the parts' order
+    assert len({pid for pid, _ in got[:2]}) == 2  # the first two at once, in two processes

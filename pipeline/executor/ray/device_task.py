@@ -1,41 +1,111 @@
 """A decoding stage's one-off wall-clock work (evaluate's pass at load, tune's load check) where its models fit.
 
-One Ray task that asks what one of the stage's workers asks (one GPU, or its CPUs), never the job's driver, which
-may have no GPU at all (a RayJob head has none); in this process when Ray is not running (tests). On a CPU the task
-decodes on one thread, as one decoding actor of one CPU does: a wall-clock benchmark wants one quiet process.
+Ray tasks that each ask what one of the stage's workers asks (one GPU, or its CPUs), never the job's driver, which
+may have no GPU at all (a RayJob head has none); in this process when Ray is not running (tests). On GPUs the work
+is split into one part per worker (:func:`split`), each on a GPU of its own; on CPUs it is one task, which decodes
+on one thread, as one decoding actor of one CPU does: a wall-clock benchmark wants one quiet process.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from pipeline.runtime.log import get as log
 
 
 def on_a_worker(stage, fn: Callable, *args, what: str) -> Any:
-    """``fn(*args)`` in a Ray task of one worker's resources, or here without Ray.
+    """``fn(*args)`` in a Ray task of one worker's resources, or here without Ray: :func:`on_workers` with one
+    part."""
+    return on_workers(stage, fn, [args], what=what)[0]
 
-    The task says when it starts (its first streamed item: node and pid), so that waiting for resources (pending:
-    GPUs held by the stage's own actors as they shut down, or by another job) is told apart from running, each with
-    its own clock and line every minute: pending for up to ``workers.wait_s``, running for up to
-    ``workers.task_timeout_s``. Past either, the task is cancelled and the stage fails naming the key."""
+
+def on_workers(stage, fn: Callable, parts: List[tuple], what: str) -> List[Any]:
+    """``[fn(*args) for args in parts]``, each part a Ray task of one worker's resources, all submitted at once (on
+    GPUs, each its own: split the work so that every GPU the stage has takes a part); here, in turn, without Ray.
+
+    Each task says when it starts (its first streamed item: node and pid), so that waiting for resources (pending:
+    GPUs held by the stage's own actors as they shut down, by a sibling part, or by another job) is told apart from
+    running, each with its own clock and a line every minute: pending for up to ``workers.wait_s`` (counted only while
+    no sibling part runs: one may be waiting for a sibling's GPU), running for up to ``workers.task_timeout_s``. Past either,
+    every part is cancelled and the stage fails naming the key."""
     import ray
 
     if not ray.is_initialized():
-        return fn(*args)
+        return [fn(*args) for args in parts]
     from .placement import plan_workers
 
     place = stage.placement or plan_workers(stage.resources(), ray.cluster_resources())
     task = ray.remote(_announced).options(num_gpus=place.num_gpus, num_cpus=place.num_cpus, max_retries=0,
                                           num_returns="streaming")
     say, workers = log(stage.name), stage.cfg.workers
-    say.debug(f"{what}: one task of {place.asks()} (models on {place.device})")
-    gen = task.remote(fn, *args)
-    started = _await(gen, what, "waiting for " + place.asks(), workers.wait_s, "workers.wait_s", say)
-    say.debug(f"{what}: started on node {started['node_id'][:12]} pid={started['pid']}")
-    return _await(gen, what, "running", workers.task_timeout_s, "workers.task_timeout_s", say)
+    each = f"{len(parts)} tasks" if len(parts) > 1 else "one task"
+    say.debug(f"{what}: {each} of {place.asks()} (models on {place.device})")
+    gens = [task.remote(fn, *args) for args in parts]
+    results: Dict[int, Any] = {}
+    since = {i: time.monotonic() for i in range(len(gens))}  # pending since, then running since
+    started: Dict[int, dict] = {}
+    said = time.monotonic()
+    try:
+        while len(results) < len(gens):
+            waiting = [g for i, g in enumerate(gens) if i not in results]
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            now = time.monotonic()
+            for g in ready:
+                i = gens.index(g)
+                item = ray.get(next(g))
+                if i in started:
+                    results[i] = item
+                else:
+                    started[i], since[i] = item, now
+                    say.debug(f"{what}: part {i + 1}/{len(gens)} started on node {item['node_id'][:12]} "
+                              f"pid={item['pid']}")
+            if any(i not in results for i in started):  # a part waiting for a sibling's GPU is not stuck
+                for i in range(len(gens)):
+                    if i not in started:
+                        since[i] = now
+            for i in (j for j in since if j not in results):
+                running = i in started
+                limit, key = (workers.task_timeout_s, "workers.task_timeout_s") if running else \
+                    (workers.wait_s, "workers.wait_s")
+                if now - since[i] > limit:
+                    doing = "running" if running else "waiting for " + place.asks()
+                    part = f" (part {i + 1}/{len(gens)})" if len(gens) > 1 else ""
+                    raise TimeoutError(f"{key}: {what}{part} still {doing} after {limit:g} s; cancelled (allow "
+                                       f"longer with {key}, or look at what holds the cluster's resources)")
+            if now - said >= 60.0:
+                said = now
+                say.info(f"{what}: {_states(started, results, len(gens), since, now, place.asks())}")
+    except BaseException:
+        for i, g in enumerate(gens):
+            if i not in results:
+                ray.cancel(g, force=True)
+        raise
+    return [results[i] for i in range(len(gens))]
+
+
+def _states(started, results, n: int, since, now: float, asks: str) -> str:
+    """'running for 61 s' (one part), or '1 done, 2 running (61 s), 1 waiting for GPU 1 + CPU 0.5 (61 s)'."""
+    running = [now - since[i] for i in started if i not in results]
+    pending = [now - since[i] for i in range(n) if i not in started]
+    if n == 1:
+        return f"running for {running[0]:.0f} s" if running else f"waiting for {asks} for {pending[0]:.0f} s"
+    parts = [f"{len(results)} done"] if results else []
+    if running:
+        parts.append(f"{len(running)} running ({max(running):.0f} s)")
+    if pending:
+        parts.append(f"{len(pending)} waiting for {asks} ({max(pending):.0f} s)")
+    return ", ".join(parts)
+
+
+def split(items: List[Any], stage) -> List[List[Any]]:
+    """``items`` (loads) dealt round-robin into one part per worker the stage has on GPUs, each GPU its own part;
+    one part where the models run on CPUs (logical GPUs included), as parts at once would share the cores that a
+    wall-clock measurement times."""
+    place = stage.placement
+    n = min(len(items), place.num_workers) if place is not None and place.on_gpu and place.device == "cuda" else 1
+    return [items[i::n] for i in range(n)] if items else [items]
 
 
 def _announced(fn: Callable, *args) -> Iterator[Any]:
@@ -46,23 +116,6 @@ def _announced(fn: Callable, *args) -> Iterator[Any]:
 
     yield {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
     yield fn(*args)
-
-
-def _await(gen, what: str, doing: str, limit_s: float, key: str, say) -> Any:
-    """The streamed task's next item, with a line every minute while it is ``doing``; past ``limit_s`` the task is
-    cancelled and a TimeoutError names ``key``."""
-    import ray
-
-    t0 = time.monotonic()
-    while True:
-        left = limit_s - (time.monotonic() - t0)
-        if left <= 0:
-            ray.cancel(gen, force=True)
-            raise TimeoutError(f"{key}: {what} still {doing} after {limit_s:g} s; the task was cancelled (allow "
-                               f"longer with {key}, or look at what holds the cluster's resources)")
-        if ray.wait([gen], timeout=min(60.0, left))[0]:
-            return ray.get(next(gen))
-        say.info(f"{what}: {doing} for {time.monotonic() - t0:.0f} s")
 
 
 @contextmanager

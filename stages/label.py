@@ -138,6 +138,17 @@ class LabelStage(DecodingStage):
         return (f"B={self.block_size} candidates={self.candidates} mode={self.mode} "
                 f"batch_size={self.cfg.label.batch_size if self.mode == 'replay' else 1}{precision}")
 
+    def plan(self):
+        """The shards to do; first (the lease held, no worker started) the cost-profile claims an earlier run left
+        unfinished are cleared: this run's workers measure at once instead of waiting workers.check_timeout_s."""
+        from pipeline.labelling.shared_profile import clear_unfinished_claims
+
+        cleared = clear_unfinished_claims(str(self.cfg.output_dir))
+        if cleared:
+            log("label").info(f"cleared {cleared} unfinished cost-profile claim(s) of an earlier run "
+                              f"({self.cfg.output_dir}/.profiles)")
+        return super().plan()
+
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
         from pipeline.executor.memory_checks import label_check, vllm_check
 
@@ -146,6 +157,7 @@ class LabelStage(DecodingStage):
     # -- every actor --
     def setup(self, worker: Worker) -> None:
         from pipeline.decoding.load_profile import profile_with_load
+        from pipeline.labelling.shared_profile import shared_profile, sharing
 
         if self.uses_vllm:
             return self.setup_vllm(worker)
@@ -156,11 +168,41 @@ class LabelStage(DecodingStage):
             from pipeline.executor.memory_checks import label_check
 
             self.auto_batch = int(label_check(self, device_facts(self.models.device.type), self.models.dtype)["batch"])
-        # The cost model, once per worker on its own device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and
-        # verify timed apart; it goes into every shard's metadata and, at the end, into the folder's cost profile.
-        self.cost_profile = profile_with_load(self.engine, self.cfg, self.block_size, self.candidates,
-                                        {**self.revisions, "worker": worker.identity})
+        # The cost model on this worker's device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and verify
+        # timed apart; it goes into every shard's metadata and, at the end, into the folder's cost profile. Measured
+        # by one worker per device kind and shared where sharing is on (pipeline/labelling/shared_profile.py), else
+        # by each worker.
+        def measure():
+            return profile_with_load(self.engine, self.cfg, self.block_size, self.candidates,
+                                     {**self.revisions, "worker": worker.identity})
+
+        self.profile_sharing = None
+        if sharing(self.cfg.profile.share, self.models.device.type):
+            self.cost_profile, self.profile_sharing = shared_profile(
+                str(self.cfg.output_dir), self.profile_kind(), measure, self.own_check,
+                self.cfg.profile.share_tolerance, self.cfg.workers.check_timeout_s,
+                lambda text: log("label").warning(f"{worker.identity}: {text}"))
+        else:
+            self.cost_profile = measure()
         self.step_cost = self.cost_profile.costs(self.candidates)
+
+    def profile_kind(self) -> Dict[str, Any]:
+        """What makes two workers' cost profiles the same measurement (pipeline.labelling.shared_profile)."""
+        return {"device": self.device, **device_build(self.models.device), "compiled": self.compiled,
+                **self.revisions, "block_size": self.block_size, "candidates": self.candidates,
+                "profile": {k: v for k, v in vars(self.cfg.profile).items() if k not in ("output", "share",
+                                                                                       "share_tolerance")},
+                "max_new_tokens": self.cfg.decode.max_new_tokens, "seed": self.cfg.decode.seed}
+
+    def own_check(self):
+        """A short timing of this worker's own (b = 1 and B, one round at the first context length) to hold the
+        shared profile against."""
+        from pipeline.policy.cost import measure_profile
+
+        p = self.cfg.profile
+        vocab = int(self.engine.target.get_output_embeddings().weight.shape[0])
+        return measure_profile(self.engine, [1, self.block_size], vocab, context_lengths=p.context_lengths[:1],
+                               steps=p.steps, min_repeats=1, max_repeats=1, seed=self.cfg.decode.seed)
 
     def setup_vllm(self, worker: Worker) -> None:
         """One vLLM engine at K up to the largest candidate's, and its cost profile timed in it (vllm_labels)."""
@@ -240,7 +282,10 @@ class LabelStage(DecodingStage):
                 # ... and in summary.json's `workers`, the whole of it
                 "step_cost_seconds": {b: round(c, 6) for b, c in self.step_cost.items()},
                 "cost_profile": {"rounds": p.meta["rounds"], "stable": p.meta["stable"],
-                                 "seconds": p.meta["wall_seconds"], "fit": p.fit}}
+                                 "seconds": p.meta["wall_seconds"], "fit": p.fit,
+                                 # measured here, reused from another worker of its kind (with its own check's
+                                 # ratios), or its own after waiting in vain; null: each worker measures its own
+                                 "sharing": getattr(self, "profile_sharing", None)}}
 
     def shard_metadata(self) -> Dict[str, Any]:
         d = self.cfg.decode

@@ -261,7 +261,9 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "step_cost_seconds": "{b: seconds per decode step (draft + verify)} at each candidate: the worker's cost "
     "profile's model.",
     "cost_profile": "The worker's whole cost profile (the `cost_profile.json` format below, raw points included), "
-    "measured once at start-up; `cost_profile.json` beside the shards refits every worker's points that share the "
+    "measured once at start-up, or with `profile.share` (on GPUs by default) measured once per device kind by the "
+    "first worker and reused by the others (`summary.json`'s `workers[].cost_profile.sharing` says which, with the "
+    "reusing worker's own b = 1 and B check); `cost_profile.json` beside the shards refits every worker's points that share the "
     "hardware, device, dtype, models and grid of the worker that labelled the most rows (`pooled_workers`).",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
     "batching": "{batches, batches_failed, batches_out_of_memory, prompts_retried_alone, continuation_greedy, "
@@ -356,8 +358,8 @@ rule reads it, and it would double the trace's bytes.
 * `label_block_size = candidates[argmax_i tau[i]]`, ties to the smaller b (the BlockPilot paper's label).
 * `label_speedup_block_size = candidates[argmax_i tau[i] / cost(candidates[i])]`, ties to the smaller b, where
   `cost(b)` is the seconds of one decode step (draft forward + target verify) at block size b under the worker's
-  cost profile (`cost_profile.json`, measured once per worker at start-up on its own hardware: b = 1..2B, draft and
-  verify timed apart, an affine fit in b). `tau(b) / cost(b)` is decoded tokens per second, so this label picks the
+  cost profile (`cost_profile.json`, measured at start-up on its own hardware, once per worker or, with
+  `profile.share`, once per device kind: b = 1..2B, draft and verify timed apart, an affine fit in b). `tau(b) / cost(b)` is decoded tokens per second, so this label picks the
   fastest b rather than the longest acceptance. Training (`train.objective=speed`) recomputes the speed of every
   candidate from `tau` under `train.cost_profile` (default: this folder's `cost_profile.json`), so one label set
   serves any deployment.

@@ -81,6 +81,8 @@ def validate(cfg) -> None:
     _check(cfg.prepare.shards_per_worker >= 0, "prepare.shards_per_worker", "must be >= 0 (0: every shard shard_size)")
     _check(cfg.workers.check_timeout_s > 0, "workers.check_timeout_s", "must be > 0")
     _check(cfg.workers.task_timeout_s > 0, "workers.task_timeout_s", "must be > 0")
+    _check(cfg.profile.share in ("auto", "on", "off"), "profile.share", "must be auto, on or off")
+    _check(cfg.profile.share_tolerance > 0, "profile.share_tolerance", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
     if cfg.label.engine == "vllm":  # vLLM decodes every candidate on its own batching: no replay, no trace

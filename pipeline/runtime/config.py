@@ -186,6 +186,13 @@ class ProfileConfig:
     concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     # Rounds of the load grid (every (b, c) once per round, shuffled).
     load_rounds: int = 1
+    # Label workers of one device kind share one profile, measured by the first (pipeline/labelling/
+    # shared_profile.py): auto = where the models run on GPUs (on CPUs the workers of a host share its cores, and each
+    # measures under the contention it labels under) | on | off.
+    share: str = "auto"
+    # A worker reusing a shared profile times b = 1 and B itself, and says so when its steps differ by more than this
+    # fraction.
+    share_tolerance: float = 0.15
 
 
 @dataclass
@@ -426,12 +433,13 @@ def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        layers.append(OmegaConf.from_dotlist([_as_written(item) for item in overrides or []]))
         merged = OmegaConf.merge(base, *layers)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"config key '{missing[0]}': mandatory value is missing")
         cfg = OmegaConf.to_object(merged)
+        _on_off(cfg)
     except ConfigError:
         raise
     except OmegaConfBaseException as err:
@@ -439,6 +447,29 @@ def load_config(overrides: Optional[List[str]] = None, config_file: Optional[str
         raise ConfigError(f"config key '{_key_of(err)}': {msg}") from None
     validate(cfg)
     return cfg
+
+
+# Keys whose values are auto | on | off: YAML 1.1 (what OmegaConf's loader and its dotlist read) takes a bare on / off
+# for a boolean, which the str field then holds as "True" / "False": `engine.compile=off` failed as "'False' is not
+# one of auto, on, off". Read back as the word that was written.
+ON_OFF_KEYS = (("engine", "compile"), ("vllm", "compile"), ("profile", "share"))
+
+
+def _as_written(item: str) -> str:
+    """An override of an auto | on | off key, quoted: its word stays a word (a typo such as yes is then refused)."""
+    key, _, value = item.partition("=")
+    if tuple(key.strip().split(".")) in ON_OFF_KEYS and value and value[0] not in "'\"":
+        return f"{key}='{value}'"
+    return item
+
+
+def _on_off(cfg: PipelineConfig) -> None:
+    """A YAML file's bare on / off (read as a boolean) back to the word."""
+    for section, key in ON_OFF_KEYS:
+        holder = getattr(cfg, section)
+        value = getattr(holder, key)
+        if value in ("True", "False", True, False):
+            setattr(holder, key, "on" if value in ("True", True) else "off")
 
 
 def to_yaml(cfg: PipelineConfig) -> str:

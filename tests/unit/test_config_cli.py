@@ -132,3 +132,13 @@ def test_a_model_that_is_not_there_fails_in_one_line_naming_its_key(stage, key, 
     assert err.splitlines() == [f"blockpilot {stage}: error: {key}: '/nonexistent/model' is neither a local "
                                 "folder nor a hub id (a hub id is 'owner/name')"], err
     assert called == [] and not (tmp_path / "run").exists()
+
+
+def test_on_and_off_are_read_as_written_on_the_command_line_and_in_yaml(tmp_path):
+    """YAML 1.1 reads a bare on / off as a boolean; the auto | on | off keys get the word back."""
+    cfg = load_config(["engine.compile=off", "vllm.compile=on", "profile.share=on"])
+    assert (cfg.engine.compile, cfg.vllm.compile, cfg.profile.share) == ("off", "on", "on")
+    (tmp_path / "c.yaml").write_text("engine:\n  compile: on\nprofile:\n  share: off\n")
+    cfg = load_config([], str(tmp_path / "c.yaml"))
+    assert (cfg.engine.compile, cfg.profile.share) == ("on", "off")
+

@@ -24,17 +24,19 @@ REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
-# The slowest modules first (by their summed `--durations=0` times in the whole suite on this 2-core machine,
-# 2026-12-05): `-n 2 --dist loadfile --no-loadscope-reorder` hands whole modules to the workers in this order, each
-# worker taking the next when it finishes one, so that the last module to start is a short one (longest first keeps
-# the two within about a module of each other). xdist's default order (--loadscope-reorder, on unless turned off in
-# pyproject.toml's addopts) sorts modules by their number of tests instead: it started test_real_shapes (one test,
-# 182 s) last, and one worker then ran alone for its last three minutes.
-SLOWEST_FIRST = ["test_faults", "test_stages", "test_cluster", "test_object_storage", "test_vllm", "test_real_shapes",
-                 "test_gpu_check_cpu", "test_store_faults", "test_cluster_growth", "test_model_refusals",
-                 "test_distribution_check", "test_sampled_run", "test_broken_device", "test_simulate", "test_replay",
-                 "test_compiled", "test_batched", "test_step_rule_sampling", "test_pool_failures",
-                 "test_pool_timeouts", "test_install", "test_validate", "test_rayjob", "test_expected_acceptance"]
+# The slowest modules first (by their summed `--durations=0` times in the whole suite on this 2-core machine, the
+# mean of two runs on 2026-12-05; a module's sum moves by up to 70 s with what the other worker runs beside it):
+# `-n 2 --dist loadfile --no-loadscope-reorder` hands whole modules to the workers in this order, each worker taking
+# the next when it finishes one, so that the last module to start is a short one (longest first keeps the two within
+# about a module of each other). xdist's default order (--loadscope-reorder, on unless turned off in pyproject.toml's
+# addopts) sorts modules by their number of tests instead: it started test_real_shapes (one test, 182 s) last, and
+# one worker then ran alone for its last three minutes.
+SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "test_gpu_check_cpu", "test_cluster_growth",
+                 "test_object_storage", "test_store_faults", "test_real_shapes", "test_model_refusals",
+                 "test_sampled_run", "test_broken_device", "test_distribution_check", "test_simulate", "test_replay",
+                 "test_pool_failures", "test_compiled", "test_step_rule_sampling", "test_batched",
+                 "test_pool_timeouts", "test_device_task", "test_install", "test_shared_profile", "test_validate",
+                 "test_rayjob", "test_expected_acceptance"]
 
 
 def pytest_collection_modifyitems(items):

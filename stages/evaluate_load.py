@@ -2,8 +2,8 @@
 
 Runs after evaluate's per-prompt shards, in Ray tasks with the stage's device resources (on GPUs, the loads dealt
 out one part per worker, each on its own GPU; on CPUs one task on one thread: a wall-clock benchmark wants one quiet
-process; never the job's driver, which may have no GPU at all); in this process when Ray is not running (tests). The batched engine
-(pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
+process; never the job's driver, which may have no GPU at all); in this process when Ray is not running (tests).
+The batched engine (pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
 ``eval/load.parquet`` (one row per c x method x repeat) and ``eval/load.json`` (per c: the table, the headline
 against b*(c) and b*(1) with measured intervals, the cost model's error); a rerun with the same policy, prompts and
 settings keeps them.
@@ -48,14 +48,14 @@ def run_load(cfg, stage, tables: bool = True) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    from pipeline.executor.ray.device_task import on_workers, split
+    from pipeline.executor.ray.device_task import by_load, on_workers, split, where_of
 
     # on GPUs, the loads dealt out to the stage's workers, one part each (each c is measured on one GPU alone)
     parts = on_workers(stage, _measure, [(cfg, stage, group, info) for group in split(loads, stage)],
                        what="at load")
-    summaries = dict(sorted(((c, s) for got, _, _ in parts for c, s in got.items()), key=lambda x: int(x[0])))
+    summaries = by_load([got for got, _, _ in parts])
     rows = [r for _, got, _ in parts for r in got]
-    where = [w for _, _, w in parts] if len(parts) > 1 else parts[0][2]
+    where = where_of([w for _, _, w in parts])
     from pipeline.evaluation.load import render_load
 
     for summary in summaries.values():

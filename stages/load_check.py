@@ -51,14 +51,12 @@ def run_check(cfg, stage) -> Dict[str, Any]:
     elif not prompts:  # nothing to time on: the model's schedule stands, said as not measured
         check.update(loads={}, skipped="the label set has no val prompt (train.val_fraction)")
     else:
-        from pipeline.executor.ray.device_task import on_workers, split
+        from pipeline.executor.ray.device_task import by_load, on_workers, split, where_of
 
         # on GPUs, the loads dealt out to the stage's workers, one part each
         parts = on_workers(stage, _measure, [(cfg, stage, prompts, model, group) for group in split(loads, stage)],
                            what="load check")
-        check["loads"] = dict(sorted(((c, got) for measured, _ in parts for c, got in measured.items()),
-                                     key=lambda x: int(x[0])))
-        check["where"] = [w for _, w in parts] if len(parts) > 1 else parts[0][1]
+        check["loads"], check["where"] = by_load([got for got, _ in parts]), where_of([w for _, w in parts])
     check["schedule"] = checked_schedule(model, check["loads"])
     check["inherited"] = {str(c): why for c, why in inherited(model, check["loads"]).items()}
     check["unmeasured"] = [c for c, b in sorted(model.items())

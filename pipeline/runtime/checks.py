@@ -17,7 +17,7 @@ LABEL_MODES = ("auto", "exhaustive", "replay")
 LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
 CONTINUATIONS = ("auto", "greedy", "speculative")  # label.continuation (pipeline.labelling.continuation)
 LABEL_ENGINES = ("hf", "vllm")  # label.engine (pipeline.labelling.vllm_labels)
-COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled)
+COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled), vllm.compile, profile.share
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 POLICY_MODELS = ("ridge", "mlp")
 LABEL_KINDS = ("tau", "speedup")
@@ -40,7 +40,7 @@ def _choices() -> Dict[str, tuple]:
         "model.dtype": DTYPES,
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
         "label.continuation": CONTINUATIONS, "engine.compile": COMPILE_MODES, "label.engine": LABEL_ENGINES,
-        "vllm.compile": COMPILE_MODES,
+        "vllm.compile": COMPILE_MODES, "profile.share": COMPILE_MODES,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
         "train.label": LABEL_KINDS, "train.tau_column": TAU_COLUMNS,
@@ -81,7 +81,6 @@ def validate(cfg) -> None:
     _check(cfg.prepare.shards_per_worker >= 0, "prepare.shards_per_worker", "must be >= 0 (0: every shard shard_size)")
     _check(cfg.workers.check_timeout_s > 0, "workers.check_timeout_s", "must be > 0")
     _check(cfg.workers.task_timeout_s > 0, "workers.task_timeout_s", "must be > 0")
-    _check(cfg.profile.share in ("auto", "on", "off"), "profile.share", "must be auto, on or off")
     _check(cfg.profile.share_tolerance > 0, "profile.share_tolerance", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")

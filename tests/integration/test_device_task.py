@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.executor.ray.device_task import on_a_worker, on_workers, split
+from pipeline.executor.ray.device_task import by_load, on_a_worker, on_workers, split, where_of
 from pipeline.executor.ray.placement import Placement
 
 
@@ -75,6 +75,9 @@ def test_loads_are_dealt_one_part_per_gpu_worker_and_one_part_on_cpus():
     assert split([4, 16, 32], stage(gpus=0, workers=2)) == [[4, 16, 32]]  # CPUs: one quiet process
     assert split([4, 16, 32], stage(gpus=1, workers=2)) == [[4, 16, 32]]  # logical GPUs, the models on CPUs
     assert split([], stage(gpus=1, workers=2, device="cuda")) == [[]]
+    # the parts' results back as one, in order of c (string keys, as the JSON files hold them)
+    assert list(by_load([{"4": "a", "32": "c"}, {"16": "b"}]).items()) == [("4", "a"), ("16", "b"), ("32", "c")]
+    assert where_of(["w"]) == "w" and where_of(["w1", "w2"]) == ["w1", "w2"]
 
 
 def test_parts_on_gpus_run_at_once_and_a_part_waiting_for_a_siblings_gpu_is_not_timed_out(ray_session):

@@ -27,9 +27,9 @@ def on_workers(stage, fn: Callable, parts: List[tuple], what: str) -> List[Any]:
 
     Each task says when it starts (its first streamed item: node and pid), so that waiting for resources (pending:
     GPUs held by the stage's own actors as they shut down, by a sibling part, or by another job) is told apart from
-    running, each with its own clock and a line every minute: pending for up to ``workers.wait_s`` (counted only while
-    no sibling part runs: one may be waiting for a sibling's GPU), running for up to ``workers.task_timeout_s``. Past either,
-    every part is cancelled and the stage fails naming the key."""
+    running, each with its own clock and a line every minute: pending for up to ``workers.wait_s`` (counted only
+    while no sibling part runs: one may be waiting for a sibling's GPU), running for up to ``workers.task_timeout_s``.
+    Past either, every part is cancelled and the stage fails naming the key."""
     import ray
 
     if not ray.is_initialized():
@@ -106,6 +106,16 @@ def split(items: List[Any], stage) -> List[List[Any]]:
     place = stage.placement
     n = min(len(items), place.num_workers) if place is not None and place.on_gpu and place.device == "cuda" else 1
     return [items[i::n] for i in range(n)] if items else [items]
+
+
+def by_load(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The parts' ``{"c": ...}`` results (:func:`split`'s loads) as one, in order of c."""
+    return dict(sorted(((c, got) for part in parts for c, got in part.items()), key=lambda x: int(x[0])))
+
+
+def where_of(parts: List[Any]) -> Any:
+    """Where the work ran: the one part's ``where``, or every part's."""
+    return parts if len(parts) > 1 else parts[0]
 
 
 def _announced(fn: Callable, *args) -> Iterator[Any]:

@@ -43,7 +43,7 @@ if [ "$DEVICE" = cpu ]; then
   REPLAY_ARGS="--dtype float32 --prompts 1 --max-new-tokens 8"
   RUN_ARGS="prepare.limit=2 prepare.shard_size=8 evaluate.limit=1 decode.max_new_tokens=16 label.k=1 \
 label.num_workers=1 tune.num_workers=1 evaluate.num_workers=1 workers.cpus_per_worker=0.5 \
-train.epochs=2 train.checkpoint_every=2 train.rules=[threshold:0.05] \
+train.epochs=2 train.checkpoint_every=2 train.rules=[threshold:0.05] train.use_gpu=false \
 profile.max_repeats=1 profile.min_repeats=1 profile.steps=4 profile.context_lengths=[32] profile.concurrency=[1] \
 tune.rules=[full,threshold:0.05] tune.limit=1 evaluate.concurrency=[1]"
   BENCH_ARGS="--prompts 2 --max-new-tokens 16"
@@ -76,8 +76,10 @@ step engine-fp32 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --d
 [ "$DEVICE" = cpu ] || step engine-bf16 120 "$PY" benchmarks/gpu_check.py engine --device "$DEVICE" --dtype bfloat16 --out "$OUT"
 step replay 180 "$PY" benchmarks/gpu_check.py replay --device "$DEVICE" --out "$OUT" $REPLAY_ARGS
 rm -rf "$OUT/run"
-step pipeline 300 "$PY" -m stages.cli run output_dir="$OUT/run" model.device="$DEVICE" ray.address=local \
-  progress=false $RUN_ARGS
+# (a Ray that is already up, named by RAY_ADDRESS, is joined rather than a second one started beside it: the CPU dry
+# run's test passes its session's; on a GPU machine nothing is set and the run starts its own)
+step pipeline 300 "$PY" -m stages.cli run output_dir="$OUT/run" model.device="$DEVICE" \
+  ray.address="${RAY_ADDRESS:-local}" progress=false $RUN_ARGS
 step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BENCH_ARGS
 step sdpa-kernels 60 "$PY" benchmarks/sdpa_kernels.py --device "$DEVICE"
 # 5. Qwen3-8B shapes (random weights, bf16): batch-1 and batch-64 steps, eager and engine.compile=on, as GB/s against

@@ -27,8 +27,8 @@ from pipeline.io.storage import arrow_filesystem, resolve
 from pipeline.runtime.config import PipelineConfig
 from pipeline.runtime.log import get as log
 from pipeline.training import checkpoint
-from pipeline.training.data import (LABEL_COLUMN, SplitData, as_tau, histogram, in_split, uses_costs,
-                                    with_rule_tau)
+from pipeline.training.data import (LABEL_COLUMN, InMemoryShard, SplitData, as_tau, histogram, in_split,
+                                    uses_costs, with_rule_tau)
 from pipeline.training.export import ExportInput, export_policy
 from pipeline.training.plots import plot_curves
 from pipeline.training.problem import Problem, cost_profile_path, load_problem
@@ -41,6 +41,22 @@ RUN_NAME = "ray"  # Ray Train's run folder under train/: the checkpoints
 
 
 # ---- on every Ray Train worker -----------------------------------------------------------------------------------
+
+def dataset_shard(config: Dict[str, Any], name: str):
+    """This worker's part of split ``name``: Ray Data's shard, or, for a small label set (SMALL_LABEL_BYTES), the
+    split from the object store (the train split of the MLP divided among the workers, as Ray Data splits it)."""
+    import ray
+    import ray.train
+
+    refs = config.get("in_memory")
+    if refs is None:
+        return ray.train.get_dataset_shard(name)
+    shard = InMemoryShard(ray.get(refs[name]))
+    if name in config["split_across_workers"]:
+        ctx = ray.train.get_context()
+        shard = shard.part(ctx.get_world_rank(), ctx.get_world_size())
+    return shard
+
 
 class Checkpointer:
     """Checkpoints through Ray Train: the folder's contents are :mod:`pipeline.training.checkpoint`'s."""
@@ -94,8 +110,8 @@ def train_loop(config: Dict[str, Any]) -> None:
     checkpointer = Checkpointer(rank)
     start_epoch, history = checkpointer.restore(model, opt)
     model = ray.train.torch.prepare_model(model)
-    train_data = SplitData(ray.train.get_dataset_shard("train"), config, shuffle=True)
-    val_data = SplitData(ray.train.get_dataset_shard("val"), config, shuffle=False)
+    train_data = SplitData(dataset_shard(config, "train"), config, shuffle=True)
+    val_data = SplitData(dataset_shard(config, "val"), config, shuffle=False)
 
     def report(epoch, metrics, history):
         checkpointer.save_and_report(model, opt, epoch, metrics, history)
@@ -110,7 +126,6 @@ def ridge_loop(config: Dict[str, Any], rank: int) -> None:
     row (the closed form needs them all) and fits the same model; one report, as "epoch 0", with its checkpoint.
     A rerun after that checkpoint fits nothing. ``train.cache_max_gb`` bounds the fit's memory
     (pipeline.training.ridge.check_memory; the driver checks it before Ray starts)."""
-    import ray.train
     import torch
 
     from pipeline.policy.blocksize import LinearPolicyModel, transform_inputs
@@ -124,7 +139,7 @@ def ridge_loop(config: Dict[str, Any], rank: int) -> None:
         return
 
     def gather(name: str):
-        parts = list(SplitData(ray.train.get_dataset_shard(name), config, shuffle=False).epoch(0))
+        parts = list(SplitData(dataset_shard(config, name), config, shuffle=False).epoch(0))
         if not parts or not sum(len(p[1]) for p in parts):
             return np.zeros((0, config["vocab_size"]), np.float32), np.zeros((0, config["num_actions"]), np.float32)
         x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
@@ -139,7 +154,7 @@ def ridge_loop(config: Dict[str, Any], rank: int) -> None:
     # calibration rows, so the driver cannot calibrate on them again).
     metrics = {"epoch": 0, "train_loss": info["train_loss"], "ridge_alpha": info["alpha"],
                "ridge_ratio": info["ratio"], "ridge_calibration": info["calibration"], **validate(model, SplitData(
-                   ray.train.get_dataset_shard("val"), config, shuffle=False), 0, config)}
+                   dataset_shard(config, "val"), config, shuffle=False), 0, config)}
     history.append(metrics)
     checkpointer.save_and_report(model, None, 0, metrics, history)
     if rank == 0:
@@ -159,8 +174,10 @@ def fingerprint(cfg: PipelineConfig, labels_dir: Path) -> Dict[str, Any]:
 
 
 # Label sets whose columns train reads are at most this many bytes (uncompressed) are read by the driver and handed
-# to Ray Train as in-memory datasets: Ray Data's read and map tasks, each a fresh worker process, took ~14 s of a 43 s
-# train of 16 rows on a 2-core machine; a default run's 520 rows x 4,096 logits are ~9 MB. Larger sets stream.
+# to Ray Train's workers through the object store: Ray Data's read and map tasks, each a fresh worker process, took
+# ~14 s of a 43 s train of 16 rows on a 2-core machine, and its split of an in-memory dataset still started four
+# actors (~8 CPU-s; pipeline.training.data.InMemoryShard). A default run's 520 rows x 4,096 logits are ~9 MB; at
+# V = 151,936 this is ~110 rows. Larger sets stream through Ray Data.
 SMALL_LABEL_BYTES = 64 * 2**20
 
 
@@ -176,44 +193,14 @@ def _columns_bytes(shards, columns) -> int:
     return total
 
 
-def _in_memory(batch: Dict[str, Any]):
-    """A numpy batch as an Arrow table Ray Data reads back as the same numpy batch (2-D as fixed-size lists)."""
-    import pyarrow as pa
-
-    cols = {}
-    for k, v in batch.items():
-        v = np.asarray(v)
-        if v.ndim == 2:
-            cols[k] = pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
-        else:
-            cols[k] = pa.array(v.tolist())
-    return pa.table(cols)
-
-
 def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, Any]:
-    """The train and val splits as Ray Datasets over the shards, read through the stages' own filesystem client
-    (local or object storage); a small label set (SMALL_LABEL_BYTES) read here, in memory."""
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    """The train and val splits (and calibration, for ridge): for a small label set (SMALL_LABEL_BYTES) their columns
+    read here, as numpy arrays the workers take from the object store (pipeline.training.data.InMemoryShard); else
+    Ray Datasets streaming over the shards, read through the stages' own filesystem client (local or object
+    storage)."""
     frac = cfg.train.val_fraction
     calib = cfg.train.calibration_fraction if cfg.train.objective == "speed" else 0.0
     columns = ["prompt_id", "logits", cfg.train.tau_column, LABEL_COLUMN]
-    small = _columns_bytes(problem.shards, columns) <= SMALL_LABEL_BYTES
-    if small:
-        import pyarrow as pa
-
-        from pipeline.io.storage import read_table
-
-        table = pa.concat_tables([read_table(p, columns=columns) for p in problem.shards])
-        whole = {c: (np.stack([np.asarray(x, dtype=np.float32) for x in table.column(c).to_pylist()])
-                     if pa.types.is_list(table.schema.field(c).type) or
-                     pa.types.is_fixed_size_list(table.schema.field(c).type)
-                     else np.asarray(table.column(c).to_pylist())) for c in columns}
-    else:
-        fs, _ = arrow_filesystem(labels_dir)
-        ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(
-            columns)
 
     def keep(batch, split: str, rule_tau):
         mask = in_split(batch["prompt_id"], split, frac, calib)
@@ -226,8 +213,23 @@ def _datasets(cfg: PipelineConfig, problem: Problem, labels_dir) -> Dict[str, An
     # calibration, its margin from out-of-fold ones (the MLP's margin is calibrated on the driver, on the
     # calibration rows).
     splits = ("train", "val", "calib") if cfg.train.model == "ridge" else ("train", "val")
-    if small:
-        return {split: ray.data.from_arrow(_in_memory(keep(whole, split, problem.rule_tau))) for split in splits}
+    if _columns_bytes(problem.shards, columns) <= SMALL_LABEL_BYTES:
+        import pyarrow as pa
+
+        from pipeline.io.storage import read_table
+
+        table = pa.concat_tables([read_table(p, columns=columns) for p in problem.shards])
+        whole = {c: (np.stack([np.asarray(x, dtype=np.float32) for x in table.column(c).to_pylist()])
+                     if pa.types.is_list(table.schema.field(c).type) or
+                     pa.types.is_fixed_size_list(table.schema.field(c).type)
+                     else np.asarray(table.column(c).to_pylist())) for c in columns}
+        return {split: {k: np.asarray(v) for k, v in keep(whole, split, problem.rule_tau).items()}
+                for split in splits}
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    fs, _ = arrow_filesystem(labels_dir)
+    ds = ray.data.read_parquet([arrow_filesystem(p)[1] for p in problem.shards], filesystem=fs).select_columns(columns)
     return {split: ds.map_batches(keep, fn_kwargs={"split": split, "rule_tau": problem.rule_tau},
                                   batch_format="numpy") for split in splits}
 
@@ -244,6 +246,10 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
     # On small CPU machines whole-CPU workers starve Ray Data's read tasks and the run hangs.
     per_worker = 1.0 if use_gpu or cpus >= 2 * cfg.train.num_workers + 2 else 0.5
     vocab = problem.vocab_size
+    data = _datasets(cfg, problem, labels_dir)
+    streamed = not all(isinstance(v, dict) for v in data.values())  # Ray Datasets, not columns in memory
+    # The MLP's workers each take a part of the train split; every ridge worker needs all of it.
+    split_across = ["train"] if cfg.train.model == "mlp" else []
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -254,12 +260,13 @@ def _trainer(cfg: PipelineConfig, problem: Problem, labels_dir, train_dir):
             "costs": problem.costs if uses_costs(cfg.train.objective, cfg.train.label) else None,
             "speed": problem.speed,
             "cache_in_memory": len(problem.splits.split) * vocab * 4 <= cfg.train.cache_max_gb * 2**30,
+            "in_memory": None if streamed else {name: ray.put(cols) for name, cols in data.items()},
+            "split_across_workers": split_across,
         },
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": per_worker}),
-        datasets=_datasets(cfg, problem, labels_dir),
-        # The MLP's workers each take a part of the train split; every ridge worker needs all of it.
-        dataset_config=DataConfig(datasets_to_split=["train"] if cfg.train.model == "mlp" else []),
+        datasets=data if streamed else None,
+        dataset_config=DataConfig(datasets_to_split=split_across),
         run_config=RunConfig(
             name=RUN_NAME, **checkpoint.storage(train_dir),
             checkpoint_config=CheckpointConfig(num_to_keep=2),

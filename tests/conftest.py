@@ -19,6 +19,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # process would get the 2 s default. A poll interval, not behaviour: it reaches the session's Ray, the CLI's
 # subprocesses (where the CLI's setdefault keeps it) and, propagated by Ray Train, each run's controller.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# The session's Ray is local, one node, no autoscaler: as for the CLI's own local Ray
+# (pipeline/executor/ray/runtime.py), Ray Train's preemption watcher has nothing to watch there, and its actor cost
+# each train run ~2 CPU-s.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 INTEGRATION = Path(__file__).resolve().parent / "integration"

@@ -58,6 +58,31 @@ def histogram(index: np.ndarray, keys: Sequence[Any]) -> Dict[Any, int]:
     return {(int(k) if isinstance(k, (int, np.integer)) else k): int(n) for k, n in zip(keys, counts)}
 
 
+class InMemoryShard:
+    """A small split's columns ({name: array}, one row per entry) with the one method of Ray Data's DataIterator that
+    :class:`SplitData` calls: a small label set reaches Ray Train's workers through the object store, not as a Ray
+    Dataset. Hand-written on purpose: Ray Data's split of an in-memory dataset started four actors of its own
+    (DatasetManager, SplitCoordinator, _StatsActor, _AutoscalingCoordinatorActor), ~8 CPU-s per train on a 2-core
+    machine, to hand a worker rows the driver already held (benchmarks/results/train-in-memory.md)."""
+
+    def __init__(self, columns: Dict[str, np.ndarray]):
+        self.columns = {k: np.asarray(v) for k, v in columns.items()}
+        self.rows = len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def part(self, rank: int, world: int) -> "InMemoryShard":
+        """Rank ``rank``'s rows of ``world`` workers: every world-th row, so the parts differ by at most one row."""
+        return InMemoryShard({k: v[rank::world] for k, v in self.columns.items()})
+
+    def iter_batches(self, batch_size: int, batch_format: str = "numpy", local_shuffle_buffer_size=None,
+                     local_shuffle_seed=None) -> Iterator[Dict[str, np.ndarray]]:
+        assert batch_format == "numpy", batch_format
+        shuffle = local_shuffle_buffer_size is not None or local_shuffle_seed is not None
+        order = np.random.default_rng(local_shuffle_seed).permutation(self.rows) if shuffle else np.arange(self.rows)
+        for i in range(0, self.rows, batch_size):
+            idx = order[i:i + batch_size]
+            yield {k: v[idx] for k, v in self.columns.items()}
+
+
 class SplitData:
     """One split's batches, epoch after epoch, from ``shard`` (anything with Ray Data's ``iter_batches``). A split
     that fits in memory (decided by the driver) is read once and reshuffled in memory, since re-running the read

@@ -31,9 +31,10 @@ def dry_run(out: Path, **env):
 # the script's seven CPU steps each start a fresh interpreter (~4 s of imports each), its pipeline step starts a local
 # Ray and runs all six stages (45 s: label 13, Ray Train 14, evaluate 9), and vLLM starts once (18 s). What it proves
 # is that every step of the GPU script runs and writes what its summary reads, which a smaller run cannot show.
-def test_gpu_check_dry_run_on_cpu(tmp_path):
+def test_gpu_check_dry_run_on_cpu(tmp_path, ray_session):
     out = tmp_path / "gpu-check"
-    proc = dry_run(out)
+    # the pipeline step joins the session's Ray (RAY_ADDRESS) rather than starting a second one beside it
+    proc = dry_run(out, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     summary = proc.stdout[proc.stdout.index("gpu_check summary"):] if "gpu_check summary" in proc.stdout else ""
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     status = [line.split() for line in (out / "status.txt").read_text().splitlines() if line.strip()]

@@ -609,11 +609,16 @@ def test_paper_objective_runs_end_to_end(run_dir, tmp_path):
     assert "adaptive" in (out / "report" / "report.md").read_text()
 
 
-def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_closed_form(run_dir, tmp_path):
+def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_closed_form(run_dir, tmp_path,
+                                                                                         monkeypatch):
     """train.model=ridge (the default) through Ray Train on the same labels: one report (epoch 0) with its
     checkpoint, a linear policy over the candidates and the rule actions, whose weights are pipeline.training.ridge's
     closed form on the train and calibration splits (the penalty and margin chosen by leave-one-out), and a rerun that
-    fits nothing."""
+    fits nothing. The splits stream through Ray Data here, as a label set too big for the driver's memory does
+    (stages.train.SMALL_LABEL_BYTES set to 0); every other train in the suite takes the small sets' path (the
+    object store)."""
+    import ray.data
+
     from stages import train
     from pipeline.policy.blocksize import BlockSizePolicy, LinearPolicyModel
     from pipeline.training.data import read_logits
@@ -625,7 +630,11 @@ def test_the_default_ridge_policy_fits_once_over_the_rule_actions_and_is_the_clo
     for name in ("prompts", "labels"):
         shutil.copytree(run_dir[0] / name, out / name)
     cfg = cfg_for(out, "train.model=ridge")
+    monkeypatch.setattr(train, "SMALL_LABEL_BYTES", 0)
+    given, datasets = [], train._datasets
+    monkeypatch.setattr(train, "_datasets", lambda *a: given.append(datasets(*a)) or given[-1])
     s = train.run(cfg)
+    assert given and all(isinstance(d, ray.data.Dataset) for d in given[0].values()), given
     history = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0] and s["epochs"] == 1 and "ridge_alpha" in history[0]
     policy = BlockSizePolicy.from_pretrained(out / "train" / "policy")

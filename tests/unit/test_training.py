@@ -15,7 +15,7 @@ from pipeline.policy.blocksize import SPEED_SCORE, BlockSizeMLP, BlockSizePolicy
 from pipeline.policy.cost import CostProfile
 from pipeline.runtime.config import TrainConfig
 from pipeline.training import analysis, checkpoint
-from pipeline.training.data import LABEL_COLUMN, SplitData, in_split, to_arrays
+from pipeline.training.data import LABEL_COLUMN, InMemoryShard, SplitData, in_split, to_arrays
 from pipeline.training.export import ExportInput, export_policy
 from pipeline.training.loop import fit, reports_at
 from pipeline.training.problem import load_problem, train_chosen_index
@@ -79,15 +79,23 @@ def test_the_splits_are_disjoint_cover_every_row_and_follow_the_prompt_id(tmp_pa
     assert not paper.splits.calib.any() and (paper.splits.y == paper.splits.y_tau).all()
 
 
-class _Shard:
-    """Ray Data's iter_batches over numpy rows."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def iter_batches(self, batch_size, batch_format, **_):
-        for i in range(0, len(self.rows["tau"]), batch_size):
-            yield {k: v[i:i + batch_size] for k, v in self.rows.items()}
+def test_a_small_split_in_memory_is_divided_among_the_workers_and_shuffled_by_seed():
+    """pipeline.training.data.InMemoryShard, what a small label set's workers read instead of a Ray Data shard:
+    the workers' parts are disjoint, cover every row and differ by at most one row; a seed gives one permutation."""
+    rows = {"prompt_id": np.array([f"p{i}" for i in range(11)]), "tau": np.arange(22.0).reshape(11, 2)}
+    whole = InMemoryShard(rows)
+    parts = [whole.part(r, 3) for r in range(3)]
+    seen = [list(b["prompt_id"]) for p in parts for b in p.iter_batches(batch_size=2)]
+    flat = [i for b in seen for i in b]
+    assert sorted(flat) == sorted(rows["prompt_id"]) and len(flat) == 11
+    assert sorted(p.rows for p in parts) == [3, 4, 4] and max(len(b) for b in seen) == 2
+    for b in whole.iter_batches(batch_size=4):  # each batch's columns stay row-aligned
+        assert [int(i[1:]) * 2 for i in b["prompt_id"]] == b["tau"][:, 0].astype(int).tolist()
+    order = [list(b["prompt_id"]) for b in whole.iter_batches(batch_size=11, local_shuffle_seed=5)]
+    again = [list(b["prompt_id"]) for b in whole.iter_batches(batch_size=11, local_shuffle_seed=5)]
+    other = [list(b["prompt_id"]) for b in whole.iter_batches(batch_size=11, local_shuffle_seed=6)]
+    assert order == again and order != other and sorted(order[0]) == sorted(rows["prompt_id"])
+    assert [list(b["prompt_id"]) for b in whole.iter_batches(batch_size=11)] == [list(rows["prompt_id"])]
 
 
 def _loop_config(epochs, every, objective="paper"):
@@ -109,9 +117,9 @@ def test_fit_reports_every_n_epochs_and_at_the_last_and_resumes():
     config = _loop_config(epochs=5, every=2)
     model = BlockSizeMLP(V, 3, hidden=8, n_layers=1, dropout=0.0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    data = SplitData(_Shard(_rows()), config, shuffle=True)
+    data = SplitData(InMemoryShard(_rows()), config, shuffle=True)
     reports = []
-    history = fit(model, opt, data, SplitData(_Shard(_rows(seed=1)), config, shuffle=False), config, 0, [],
+    history = fit(model, opt, data, SplitData(InMemoryShard(_rows(seed=1)), config, shuffle=False), config, 0, [],
                   lambda e, m, h: reports.append((e, m["epoch"], len(h))))
     assert reports == [(1, 1, 2), (3, 3, 4), (4, 4, 5)]
     assert [h["epoch"] for h in history] == [0, 1, 2, 3, 4]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from pipeline import ASSETS
 from pipeline.io.layout import CONFIG, COST_PROFILE, POLICY_META, RunLayout
@@ -246,18 +246,32 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
         schedule=sched, load_check=check, sweep=sweep,
-        context=context_tables(run, cfg.train, info, None if cost_profile is None else serving))
+        context=context_tables(run, cfg.train, info, None if cost_profile is None else serving,
+                               base=_base_b(sched, b)))
 
 
-def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None) -> Optional[Dict[int, Any]]:
+def _base_b(sched: Optional[Dict[int, int]], b: int) -> Callable[[int], int]:
+    """The b the 3-item form serves at load c (the schedule's, after the load check; without a schedule the fixed
+    b): what the 5-item form's buckets are compared with, so that where length does not matter both forms agree."""
+    if not sched:
+        return lambda c: b
+    cs = sorted(sched)
+    return lambda c: sched[max([x for x in cs if x <= c] or [cs[0]])]
+
+
+def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None,
+                   base: Optional[Callable[[int], int]] = None) -> Optional[Dict[int, Any]]:
     """{c: the label set's train split bucketed by prompt length} under the cost at each c of the schedule's grid
-    (the run's profile, or the serving machine's): does tau, and the best b, depend on the prompt's length? None
-    without label shards or a cost profile."""
-    from pipeline.evaluation.context_length import table_from_shards
+    (the run's profile, or the serving machine's), at the width b*(c) is costed at (pipeline.policy.load_cost.
+    padded_width of the train rows), each bucket compared with ``base(c)`` (the 3-item form's b there) and the
+    "varies" verdicts corrected over every bucket at every c together (context_length.decide). None without label
+    shards or a cost profile."""
+    from pipeline.evaluation.context_length import decide, table_from_shards
     from pipeline.io.shards import list_shards
     from pipeline.policy.cost import CostProfile
     from pipeline.io.storage import parquet_file
-    from pipeline.policy.load_cost import LoadCost, has_ar
+    from pipeline.policy.load_cost import LoadCost, has_ar, padded_width
+    from pipeline.training.data import read_splits
 
     path = run.policy / COST_PROFILE
     shards = list_shards(run.labels) if run.labels.is_dir() else []
@@ -265,9 +279,22 @@ def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None
             "prompt_tokens" not in parquet_file(shards[0]).schema_arrow.names:
         return None
     load = LoadCost.from_profile(serving or CostProfile.load(path))
+    cands = [int(b) for b in info["candidates"]]
     calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
-    return {c: table_from_shards(shards, [int(b) for b in info["candidates"]], lambda b, c=c: load.cost(b, c), "train",
-                                 train_cfg.val_fraction, calib, with_ar=has_ar(load)) for c in load.concurrency}
+    widths = read_splits(shards, train_cfg.val_fraction, cands, calib).train_widths
+
+    def width(c: int) -> Optional[float]:  # as pipeline.policy.load_cost.schedule takes it
+        return padded_width(widths, c) if widths is not None and len(widths) and c > 1 else None
+
+    def base_at(c: int) -> Optional[int]:  # a b the labels never measured (b = 1 without a timed AR, a small b the
+        b = None if base is None else base(c)  # load check kept): its K comes from the check (context_ranges)
+        return b if b is not None and (b in cands or (b == 1 and has_ar(load))) else None
+
+    tables = {c: table_from_shards(shards, cands, lambda b, c=c: load.cost(b, c, width(c)), "train",
+                                   train_cfg.val_fraction, calib, with_ar=has_ar(load), base_b=base_at(c))
+              for c in load.concurrency}
+    decide(list(tables.values()))
+    return tables
 
 
 # ---- the engines' settings ---------------------------------------------------------------------------------------
@@ -373,10 +400,15 @@ def context_lines(d: Deploy) -> List[str]:
     lines += [f"- c={c}: best b {'varies' if t.varies else 'does not vary'} with prompt length ({t.why})."
               for c, t in sorted(d.context.items()) if c != first]
     if any(t.varies for t in d.context.values()):
-        entries = context_ranges(d.context, no_speculation_from=d.no_speculation_from)
-        lines += ["", "Where it varies, the 5-item form `[bs_lo, bs_hi, ctx_lo, ctx_hi, K]` of vLLM's OPEN PR #48944 "
-                  "(not a merged key: a vLLM with that PR only; ctx is the request's context length, buckets here are "
-                  f"prompt lengths): `{json.dumps(entries)}`"]
+        entries = context_ranges(d.context, no_speculation_from=d.no_speculation_from, served=d.schedule)
+        t = next(iter(d.context.values()))
+        lines += ["", "Where it varies, the 5-item form `[bs_lo, bs_hi, ctx_lo, ctx_hi, K]` of vLLM's OPEN PR #48944. "
+                  "It needs a vLLM built from that PR: no released vLLM takes 5-item entries (0.32.0 refuses them). "
+                  "Each length bucket keeps the 3-item schedule's K unless its own b is faster beyond noise (Holm "
+                  f"over {t.tests} tests, every bucket and block size at every load, family-wise 5 %); ctx is the "
+                  "request's context length, "
+                  "the buckets here are prompt lengths. As `num_speculative_tokens_per_batch_size`:", "",
+                  "```json", json.dumps(entries), "```"]
     else:
         lines += ["", "Tau's dependence on prompt length does not change the best b beyond noise at any c: the 3-item "
                   "schedule above is the whole answer."]

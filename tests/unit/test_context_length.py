@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -144,6 +146,12 @@ def test_context_ranges_contiguous_and_merged():
     # neighbouring batch ranges stay apart only where their K differ somewhere
     assert all(any(k[(a[0], x)] != k[(b[0], x)] for x in ctx) for a, b in zip(bs, bs[1:]))
 
+    # a b the load check served that the labels never measured (b = 5): every context range at that load takes it
+    served = context_ranges(tables, served={1: 4, 8: 4, 64: 5})
+    assert {e[4] for e in served if e[0] == 64} == {4}
+    assert {e[4] for e in served if e[0] < 64} == {e[4] for e in low_load}  # the other loads as before
+    assert context_ranges(tables, no_speculation_from=64, served={64: 5})[-1][4] == 0  # measured K = 0 wins
+
     flat = context_table(*synthetic([0.75] * 4, seed=3), CANDS, cost=cost_at(0.05))
     one = context_ranges({4: flat, 32: flat})
     assert one == [[1, 1024, 1, CTX_MAX, flat.overall_b - 1]]
@@ -173,3 +181,88 @@ def test_table_from_shards_reads_label_like_parquet(tmp_path):
     assert t.buckets == context_table(x[train], tau32[train], CANDS, n=2).buckets
     with pytest.raises(ValueError):
         table_from_shards(paths, CANDS[:-1], split=None)
+
+
+def _bucket(p, rows=MIN_ROWS, best=4):
+    from pipeline.evaluation.context_length import Bucket
+
+    return Bucket(1, 10, rows, [1.0], [1.0], [1.0], best, gain=(1.0, 0.5, 1.5), p=p)
+
+
+def test_varies_is_decided_by_holm_over_every_bucket_at_every_load():
+    """Holm's step-down over the whole family: p sorted, the i-th smallest passes at alpha / (m - i) while every
+    smaller one passed. m counts every (bucket, other b) pair of the buckets of MIN_ROWS rows or more, also those
+    whose best b is the base."""
+    from pipeline.evaluation.context_length import ContextTable, decide
+
+    def tables(*groups):
+        return [ContextTable([1, 4], list(g), 1, "tau/cost") for g in groups]
+
+    alone = tables([_bucket(0.02)])
+    decide(alone)
+    assert alone[0].varies and alone[0].tests == 1  # one test (b = 4 against the base b = 1): 0.02 < 0.05
+    family = tables([_bucket(0.001), _bucket(0.02)], [_bucket(0.03), _bucket(None, best=1)])
+    decide(family)  # m = 4: 0.001 <= 0.05/4 passes; 0.02 > 0.05/3 stops
+    assert [b.beyond_noise for t in family for b in t.buckets] == [True, False, False, False]
+    assert family[0].chosen == [4, 1] and family[1].chosen == [1, 1] and not family[1].varies
+    assert "Holm over 4 test(s)" in family[1].why
+    wide = [ContextTable([1, 2, 4], [_bucket(0.03)], 1, "tau/cost")]
+    decide(wide)  # its best b was picked among 2 others: 2 tests, 0.03 > 0.05/2 (alone it would pass)
+    assert wide[0].tests == 2 and not wide[0].varies
+    few = tables([_bucket(1e-9, rows=MIN_ROWS - 1)])
+    decide(few)
+    assert not few[0].varies and few[0].tests == 0  # too few rows: never in the family, never counts
+
+
+def test_with_no_length_effect_the_family_rarely_varies_where_uncorrected_tests_often_would():
+    """20 buckets (4 at each of 5 loads) of one population whose best b ties with the base: the corrected family
+    says "varies" at most ~5 % of the time; one-sided 95 % tests per bucket, uncorrected, fire far more often."""
+    from pipeline.evaluation.context_length import decide
+
+    _, big = synthetic([0.75], per=20000, seed=100)
+    inv = (1 / big).mean(axis=0)
+    cost = {1: 1.0, 2: 1.2, 3: 1.22, 4: 1.25, 6: 1.25 * inv[2] / inv[3], 8: 2.0}.get  # b = 4 and 6 tie
+    corrected = uncorrected = 0
+    runs = 60
+    for seed in range(runs):
+        tables = [context_table(*synthetic([0.75] * 4, per=150, seed=1000 * seed + c), CANDS, cost=cost, base_b=4)
+                  for c in range(5)]
+        uncorrected += any(b.p is not None and b.p < 0.05 and b.rows >= MIN_ROWS for t in tables for b in t.buckets)
+        decide(tables)
+        corrected += any(t.varies for t in tables)
+    assert corrected / runs <= 0.1 and uncorrected / runs >= 0.3, (corrected, uncorrected)
+
+
+def test_each_bucket_is_compared_with_the_base_b_the_3_item_form_serves():
+    x, tau = synthetic([0.75] * 4, seed=3)
+    free = context_table(x, tau, CANDS, cost=cost_at(0.05))
+    other = next(b for b in CANDS if b != free.best_all)
+    based = context_table(x, tau, CANDS, cost=cost_at(0.05), base_b=other)
+    assert based.overall_b == other and based.best_all == free.best_all
+    assert all(c in (other, bk.best_b) for c, bk in zip(based.chosen, based.buckets))
+    with pytest.raises(ValueError, match="base b=5"):
+        context_table(x, tau, CANDS, cost=cost_at(0.05), base_b=5)
+
+
+def test_deploy_prints_the_5_item_form_with_the_3_item_schedules_k_as_a_json_block_needing_the_pr():
+    from pipeline.evaluation import deploy
+    from pipeline.evaluation.context_length import decide
+
+    x, tau = synthetic([0.9, 0.75, 0.5, 0.02])
+    schedule = {1: 4, 8: 4, 64: 3}  # the 3-item form's b at each c (after the load check)
+    tables = {c: context_table(x, tau, CANDS, cost=cost_at(s), base_b=schedule[c])
+              for c, s in ((1, 0.05), (8, 0.05), (64, 0.4))}
+    decide(list(tables.values()))
+    d = deploy.Deploy(run_dir="run", block_size=4, chosen_on="", train_b=4, target="t", draft="d", draft_note=None,
+                      draft_revision=None, trust_remote_code=False, candidates=CANDS, rule_actions=[],
+                      policy_answers_fallback_only=False, step_rule=None, schedule=schedule, context=tables)
+    lines = deploy.context_lines(d)
+    at = lines.index("```json")
+    entries = json.loads(lines[at + 1])
+    assert lines[at + 2] == "```" and entries == context_ranges(tables)
+    assert any("needs a vLLM built from that PR" in x and "Holm over 60 tests" in x for x in lines)
+    for lo, hi, a, z, k in entries:  # a bucket that is not beyond noise keeps the schedule's K at that load
+        t = tables[max(c for c in tables if c <= lo)]
+        buckets = [bk for bk in t.buckets if bk.ctx_hi >= a and bk.ctx_lo <= z]
+        assert all(k == (bk.best_b if bk.beyond_noise else schedule[max(c for c in tables if c <= lo)]) - 1
+                   for bk in buckets)

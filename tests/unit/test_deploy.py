@@ -240,7 +240,10 @@ def test_where_not_speculating_is_fastest_the_schedule_says_k0(tmp_path):
     at16 = policy.at_load(16)
     assert at16.answers_ar and at16.choose_batch(np.zeros((3, V), np.float32)) == [1, 1, 1]
     assert not policy.at_load(4).answers_ar
-    # the context-length table weighs the same options on the same rows: its overall best b is the schedule's
+    # the context-length tables weigh the same options on the same rows at the same widths (the padded width of
+    # each c, pipeline.policy.load_cost.schedule's): their best b over all rows is the schedule's b*(c), and each
+    # bucket is compared with the b the 3-item form serves there
+    assert {c: t.best_all for c, t in d.context.items()} == d.schedule
     assert {c: t.overall_b for c, t in d.context.items()} == d.schedule
     assert "By prompt length:" in text and "| prompt tokens | rows | tau b=1 |" in text
 
@@ -291,3 +294,24 @@ def test_a_load_where_the_check_measured_no_gain_gets_k0_and_says_why(tmp_path):
     assert policy.at_load(16, fallback=d.schedule[16]).answers_ar and not policy.at_load(16).answers_ar
     write_json_atomic({**check, "model_schedule": {"1": 6, "4": 8, "16": 8}}, run.load_check)  # another policy's
     assert deploy.load_deploy(run.root).schedule == {1: 6, 4: 8, 16: 10}
+
+
+def test_the_context_tables_cost_each_load_at_the_width_the_schedule_does(tmp_path, monkeypatch):
+    """The 5-item form's buckets and the 3-item schedule weigh b at the same width: at c > 1 the padded width of the
+    train rows (pipeline.policy.load_cost.padded_width, what schedule() takes), not the profile's mean."""
+    from pipeline.policy.load_cost import LoadCost, padded_width
+    from pipeline.training.data import read_splits
+
+    run = _run_at_load(tmp_path)
+    for shard in sorted(run.labels.glob("part-*.parquet")):  # the shards record each row's new tokens, as label's do
+        t = pq.read_table(shard)
+        t = t.append_column("new_tokens", pa.array([[24 + i % 9] * len(CANDS) for i in range(t.num_rows)]))
+        write_parquet_atomic(t.replace_schema_metadata(pq.read_schema(shard).metadata), shard)
+    seen, cost = [], LoadCost.cost
+    monkeypatch.setattr(LoadCost, "cost", lambda self, b, c, width=None: seen.append((c, width)) or
+                        cost(self, b, c, width))
+    d = deploy.load_deploy(run.root)
+    widths = read_splits(sorted(run.labels.glob("part-*.parquet")), 0.25, CANDS, 0.2).train_widths
+    assert widths is not None and d.context and len(d.context) > 1
+    at = {c: {w for x, w in seen if x == c} for c in d.context}
+    assert all(at[c] == {padded_width(widths, c)} for c in d.context if c > 1), at

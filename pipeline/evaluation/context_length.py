@@ -11,9 +11,9 @@ else the overall best b of all rows) AND, over that bucket's rows, the mean per-
 b (seconds per token saved, or tau gained without a cost) is above 0 at a one-sided level corrected for every
 bucket and block size tested (:func:`decide`: Holm over every bucket of MIN_ROWS rows or more and every other b it
 could have picked, across every load deploy tabulates: uncorrected, 4 buckets at 5 loads with no length effect at
-all said "varies" in 47 of 60 simulated runs, tests/unit/test_context_length.py). Below MIN_ROWS rows the normal approximation is not trusted and the bucket never counts. ``varies`` = any
-bucket counts. Without a cost the largest b nearly always wins every bucket (tau grows with b), so length matters
-for the choice only through a cost.
+all said "varies" in 47 of 60 simulated runs, tests/unit/test_context_length.py). Below MIN_ROWS rows the normal
+approximation is not trusted and the bucket never counts. ``varies`` = any bucket counts. Without a cost the largest
+b nearly always wins every bucket (tau grows with b), so length matters for the choice only through a cost.
 
 Export form (:func:`context_ranges`): vLLM PR #48944 (open, not merged; github.com/vllm-project/vllm/pull/48944,
 "Context-length-aware K in DSD", RFC issue #48627) extends `num_speculative_tokens_per_batch_size` (Dynamic SD,

@@ -8,6 +8,7 @@ evaluate and deploy read. A finalize run again with the same policy, cost profil
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Dict, List
 
 from pipeline.io.shards import file_sha256, list_shards, write_text_atomic
@@ -24,7 +25,8 @@ def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
             "model_schedule": {str(c): b for c, b in model.items()},  # JSON keys: as read back
             "concurrency": [int(c) for c in cfg.evaluate.concurrency], "load_prompts": t.load_prompts,
             "load_repeats": t.load_repeats, "load_max_repeats": t.load_max_repeats, "load_alpha": t.load_alpha,
-            "load_tie": t.load_tie, "load_min_gain": t.load_min_gain,
+            "load_tie": t.load_tie, "load_min_gain": t.load_min_gain, "load_loads": t.load_loads,
+            "load_budget_s": t.load_budget_s,
             "val_fraction": cfg.train.val_fraction, "calibration_fraction": cfg.train.calibration_fraction,
             "decode": vars(cfg.decode), "model": vars(cfg.model)}
 
@@ -43,7 +45,7 @@ def run_check(cfg, stage) -> Dict[str, Any]:
         done = json.loads(out.read_text())
         if done.get("fingerprint") == fp:
             return done
-    loads = loads_to_check(model, cfg.evaluate.concurrency)
+    loads = loads_to_check(model, cfg.evaluate.concurrency, cfg.tune.load_loads)
     prompts = val_prompts(cfg, stage) if loads else []
     check: Dict[str, Any] = {"fingerprint": fp, "model_schedule": model, "min_gain": cfg.tune.load_min_gain}
     if not loads:
@@ -57,6 +59,10 @@ def run_check(cfg, stage) -> Dict[str, Any]:
         parts = on_workers(stage, _measure, [(cfg, stage, prompts, model, group) for group in split(loads, stage)],
                            what="load check")
         check["loads"], check["where"] = by_load([got for got, _ in parts]), where_of([w for _, w in parts])
+        check["seconds"] = round(sum(v["seconds"] for v in check["loads"].values()), 1)
+        over = sorted(c for c in loads if str(c) not in check["loads"])
+        if over:
+            check["over_budget"] = over
     check["schedule"] = checked_schedule(model, check["loads"])
     check["inherited"] = {str(c): why for c, why in inherited(model, check["loads"]).items()}
     check["unmeasured"] = [c for c, b in sorted(model.items())
@@ -113,7 +119,14 @@ def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads:
             say.info(f"load check c={c}: b={b} {got['verdict']}: {got['why']}")
             return got
 
-        for c in loads:
+        t0 = time.monotonic()
+        for i, c in enumerate(loads):
+            spent = time.monotonic() - t0
+            if i and cfg.tune.load_budget_s and spent >= cfg.tune.load_budget_s:
+                say.info(f"load check: {spent:.0f} s spent of tune.load_budget_s={cfg.tune.load_budget_s:g}: c in "
+                         f"{loads[i:]} not timed (the model's b*(c) stands there)")
+                break
+            t_load = time.monotonic()
             got = check(c, model[c])
             got["serve"] = got["b"] if got["kept"] else 1
             if not got["kept"]:
@@ -124,5 +137,6 @@ def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads:
                     if small["kept"]:
                         got["serve"] = b
                         break
+            got["seconds"] = round(time.monotonic() - t_load, 1)  # this load's check, its small b included
             out[str(c)] = got
         return out, where(models.device)

@@ -32,8 +32,9 @@ CHECK_DOC = """
 ## `load_check.json`: b*(c) against no speculation, measured (tune.load_prompts, tune.load_repeats to tune.load_max_repeats)
 
 b*(c), the cost model's fixed b at each load, timed against AR in lockstep on the first `tune.load_prompts` val
-prompts of the label set, at each c > 1 of `evaluate.concurrency` where b*(c) > 1, repeat after repeat until a
-verdict. evaluate (the schedule at c, the policy's fallback at c, no per-step rule where b = 1) and deploy (vLLM's
+prompts of the label set, at each c > 1 of `evaluate.concurrency` where b*(c) > 1 (with `tune.load_loads=changes`
+also at each grid point where b*(c) changes), repeat after repeat until a verdict, while each worker's part is within
+`tune.load_budget_s`. evaluate (the schedule at c, the policy's fallback at c, no per-step rule where b = 1) and deploy (vLLM's
 schedule, K = 0 where the check serves b = 1) read the schedule it leaves (`schedule`).
 
 | key | meaning |
@@ -45,6 +46,8 @@ schedule, K = 0 where the check serves b = 1) read the schedule it leaves (`sche
 | `loads` | `{c: {...}}` per checked c, below |
 | `inherited` | `{c: why}`: unchecked loads given K = 0 by the monotone fit over the checked ones (module docstring) |
 | `unmeasured` | unchecked loads of the grid that keep the model's b*(c) |
+| `over_budget` | loads to check that no worker reached within `tune.load_budget_s` (among `unmeasured` unless inherited) |
+| `seconds` | the check's time: the sum of its loads' `seconds` (workers' parts run side by side on GPUs) |
 | `min_gain` | `tune.load_min_gain`: the threshold the intervals are held against |
 
 Per checked load (`loads[c]`): `b` (b*(c)); `verdict` (`kept`, `dropped`: the interval's upper end below `min_gain`,
@@ -56,7 +59,7 @@ and AR in lockstep; 1: the memory plan fits one engine, so they ran one after th
 `full_steps`, `whole_run` (the measured gain with a 95 % `ci95` over the repeats, for reading beside evaluate);
 `per_repeat` (`{AR, b=N: {window_throughput, full_throughput, throughput}}` tokens per second in each repeat); `small_b` (where b*(c)
 was not kept: b = 2 and 3 checked the same way, each with these keys); `serve` (the b the check leaves there: b*(c)
-kept, else the first small b kept, else 1); `prompts`.
+kept, else the first small b kept, else 1); `prompts`; `seconds` (this load's timing, its small b included).
 """
 
 
@@ -156,17 +159,27 @@ def check_lines(check: Dict[str, Any]) -> List[str]:
         small = "".join(f"; b={s['b']} {s.get('verdict', '')}" for s in v.get("small_b", []))
         out.append(f"load check c={c}: b={v['b']} {verdict}{small}: serves "
                    f"{'no speculation' if served(v) == 1 else f'b={served(v)}'} ({v['why']}; {v['prompts']} val label "
-                   f"prompts, {v.get('timing', 'in lockstep')})")
+                   f"prompts, {v.get('timing', 'in lockstep')}"
+                   + (f", {v['seconds']:.1f} s" if v.get("seconds") is not None else "") + ")")
     for c, why in sorted((check.get("inherited") or {}).items(), key=lambda kv: int(kv[0])):
         out.append(f"load check c={c}: not timed, K = 0 ({why})")
     if check.get("unmeasured"):
-        out.append(f"load check: c in {check['unmeasured']} not timed: the model's b*(c) stands there")
+        out.append(f"load check: c in {check['unmeasured']} not timed: the model's b*(c) stands there"
+                   + (f" (c in {check['over_budget']}: past tune.load_budget_s)" if check.get("over_budget") else ""))
+    if check.get("seconds") is not None:
+        out.append(f"load check: {check['seconds']:.1f} s of timing over {len(check['loads'])} load(s)")
     return out
 
 
-def loads_to_check(model: Dict[int, int], evaluated: Sequence[int]) -> List[int]:
-    """The evaluated loads c > 1 of the schedule where b*(c) speculates."""
-    return [int(c) for c in evaluated if int(c) > 1 and model.get(int(c), 1) > 1]
+def loads_to_check(model: Dict[int, int], evaluated: Sequence[int], which: str = "evaluated") -> List[int]:
+    """The loads c > 1 where b*(c) speculates, in increasing c: the evaluated ones (tune.load_loads=evaluated), and
+    with ``changes`` also every grid point of the schedule where b*(c) differs from the point before it (where a
+    3-item range starts: a server's K changes there)."""
+    loads = {int(c) for c in evaluated}
+    if which == "changes":
+        cs = sorted(int(c) for c in model)
+        loads |= {c for prev, c in zip(cs, cs[1:]) if model[c] != model[prev]}
+    return sorted(c for c in loads if c > 1 and model.get(c, 1) > 1)
 
 
 def check_for(path, model: Dict[int, int]) -> Optional[Dict[str, Any]]:

@@ -18,6 +18,7 @@ LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pi
 CONTINUATIONS = ("auto", "greedy", "speculative")  # label.continuation (pipeline.labelling.continuation)
 LABEL_ENGINES = ("hf", "vllm")  # label.engine (pipeline.labelling.vllm_labels)
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled), vllm.compile, profile.share
+LOAD_LOADS = ("evaluated", "changes")  # tune.load_loads (pipeline.evaluation.load_check.loads_to_check)
 OBJECTIVES = ("speed", "paper", "hard", "soft")
 POLICY_MODELS = ("ridge", "mlp")
 LABEL_KINDS = ("tau", "speedup")
@@ -40,7 +41,7 @@ def _choices() -> Dict[str, tuple]:
         "model.dtype": DTYPES,
         "label.mode": LABEL_MODES, "label.logits_precision": LOGITS_PRECISIONS,
         "label.continuation": CONTINUATIONS, "engine.compile": COMPILE_MODES, "label.engine": LABEL_ENGINES,
-        "vllm.compile": COMPILE_MODES, "profile.share": COMPILE_MODES,
+        "vllm.compile": COMPILE_MODES, "profile.share": COMPILE_MODES, "tune.load_loads": LOAD_LOADS,
         "train.input_transform": TRANSFORMS,
         "train.objective": OBJECTIVES, "train.model": POLICY_MODELS,
         "train.label": LABEL_KINDS, "train.tau_column": TAU_COLUMNS,
@@ -125,6 +126,7 @@ def validate(cfg) -> None:
     _check(cfg.tune.load_tie >= 0, "tune.load_tie", "must be >= 0 (a half-width of the log ratio; 0: no tie short "
            "of the cap)")
     _check(-1 < cfg.tune.load_min_gain, "tune.load_min_gain", "must be > -1 (a gain; 0: measured faster than AR)")
+    _check(cfg.tune.load_budget_s >= 0, "tune.load_budget_s", "must be >= 0 (seconds; 0: no limit)")
     from pipeline.policy.step_rules import LEARNED, parse_rule
 
     _check(cfg.train.model != "ridge" or cfg.train.objective == "speed", "train.model",

@@ -309,6 +309,12 @@ class TuneConfig:
     load_alpha: float = 0.02
     load_tie: float = 0.02
     load_min_gain: float = 0.0
+    # Which loads: "evaluated" (the c > 1 of evaluate.concurrency) or "changes" (those, and every grid point of the
+    # cost profile where b*(c) changes: the start of each range of deploy's schedule, where a server's K changes).
+    load_loads: str = "evaluated"
+    # Seconds each worker's part of the check may take before it times no further load (0: no limit): the loads it
+    # did not reach keep the model's b*(c), said as unmeasured.
+    load_budget_s: float = 0.0
 
 
 @dataclass

@@ -702,7 +702,7 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     drops both (and b = 2 and 3 at each), K = 0 at both, and evaluate's schedule, the policy
     at that load and deploy's vLLM ranges all follow it."""
     from pipeline.evaluation.deploy import load_deploy, render, vllm_schedule_config
-    from pipeline.evaluation.load_check import checked_schedule
+    from pipeline.evaluation.load_check import check_lines, checked_schedule
     from pipeline.policy.blocksize import BlockSizePolicy
     from stages.evaluate import EvaluateStage
     from stages.evaluate_load import schedule_of
@@ -740,9 +740,12 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     # run (b = 3, 2026-12-05: two repeats some 20x apart). A margin of 1e6 (+1e8 %, log 13.8) needs two repeats
     # 2e8-fold apart: no stall on any machine does that, so this test is the plumbing's (dropped -> K = 0 -> evaluate,
     # policy and deploy follow), the rule's statistics are tests/unit/test_load_verdict.py's.
-    cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "tune.load_min_gain=1000000.0", "tune.load_alpha=0.4")
+    # evaluate at [1, 16] (FAST's): c = 4 is checked as a load where b*(c) changes (tune.load_loads=changes)
+    cfg = cfg_for(copy, "tune.load_loads=changes", "tune.load_min_gain=1000000.0", "tune.load_alpha=0.4")
     forced = run_check(cfg, TuneStage(cfg))
     assert sorted(int(c) for c in forced["loads"]) == speculating
+    assert all(v["seconds"] > 0 for v in forced["loads"].values())
+    assert forced["seconds"] == pytest.approx(sum(v["seconds"] for v in forced["loads"].values()), abs=0.11)
     for v in forced["loads"].values():  # b*(c) dropped, then b = 2 and 3 timed there and dropped too: K = 0
         assert v["verdict"] == "dropped" and "upper end below +100000000.00%" in v["why"] and v["serve"] == 1
         assert [(x["b"], x["verdict"]) for x in v["small_b"]] == [(2, "dropped"), (3, "dropped")]
@@ -759,6 +762,12 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     assert d.schedule == sched and d.no_speculation_from == first
     ranges = vllm_schedule_config(d)["num_speculative_tokens_per_batch_size"]
     assert ranges[-1] == [first, 1024, 0] and ranges[0][0] == 1
+    # a budget spent by the first load (tune.load_budget_s): the next is not timed, and is said to be past it
+    cfg = cfg_for(copy, "tune.load_loads=changes", "tune.load_min_gain=1000000.0", "tune.load_alpha=0.4",
+                  "tune.load_budget_s=0.001")
+    cut = run_check(cfg, TuneStage(cfg))
+    assert sorted(cut["loads"]) == ["4"] and cut["over_budget"] == [16] and 16 in cut["unmeasured"]
+    assert "(c in [16]: past tune.load_budget_s)" in "\n".join(check_lines(cut))
     # no val prompt to time on (train.val_fraction=0): nothing measured, the model's schedule, and deploy says why
     cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "train.val_fraction=0")
     none = run_check(cfg, TuneStage(cfg))

@@ -24,6 +24,11 @@ def test_each_load_keeps_its_own_verdict_and_no_other_load_inherits_it_unmeasure
     assert checked_schedule(MODEL, {"16": _load(4, 2)}) == {**MODEL, 16: 2}  # b*(16) lost, b = 2 was kept there
     assert served({"b": 4, "kept": False}) == 1 and served({"b": 4, "kept": True}) == 4  # a check from before serve
     assert loads_to_check({**MODEL, 16: 1}, [1, 4, 16]) == [4]  # b*(16) = 1 already: nothing to take away there
+    # tune.load_loads=changes: also every grid point where b*(c) changes (where a 3-item range starts), in order
+    grid = {1: 8, 2: 8, 4: 6, 8: 6, 16: 4, 32: 4, 64: 1}
+    assert loads_to_check(grid, [1, 16]) == [16]
+    assert loads_to_check(grid, [1, 16], "changes") == [4, 16]  # 64 changes to b = 1: nothing to take away there
+    assert loads_to_check(grid, [1, 8], "changes") == [4, 8, 16]
 
 
 def test_an_unchecked_larger_load_gets_k0_only_where_the_measured_gains_fall_with_c():

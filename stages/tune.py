@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import pyarrow as pa
 
 from pipeline.data.schemas import TUNE_COLUMNS, TUNE_SCHEMA
-from pipeline.evaluation.load_check import CHECK_DOC, check_lines
+from pipeline.evaluation.load_check import CHECK_DOC, check_lines, summary_of
 from pipeline.evaluation.rule_search import adoption_line, family, read_traced, search
 from pipeline.executor.folder import require_complete
 from pipeline.executor.stage import Plan, Rejects, ShardTask
@@ -189,12 +189,7 @@ class TuneStage(DecodingStage):
                 "adoption": choice["adoption"],
                 "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
                 "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()},
-                **({"load_check": {"schedule": check["schedule"], "skipped": check.get("skipped"),
-                                   "inherited": check.get("inherited") or {},
-                                   "loads": {c: {k: v.get(k) for k in ("b", "verdict", "kept", "serve", "why",
-                                                                       "prompts", "repeats", "engines_at_once",
-                                                                       "timing", "small_b")}
-                                             for c, v in check["loads"].items()}}} if check else {})}
+                **({"load_check": summary_of(check)} if check else {})}
 
     def at_load(self, checked: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         """The rule at each c > 1 of train's schedule (a version-3 cost profile) as the load check left it

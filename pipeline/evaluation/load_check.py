@@ -149,6 +149,18 @@ def checked_schedule(model: Dict[int, int], loads: Dict[Any, Dict[str, Any]]) ->
     return out
 
 
+SUMMARY_KEYS = ("b", "verdict", "kept", "serve", "why", "prompts", "repeats", "engines_at_once", "timing", "small_b",
+                "seconds")
+
+
+def summary_of(check: Dict[str, Any]) -> Dict[str, Any]:
+    """What tune's summary keeps of load_check.json: enough for :func:`check_lines` (its closing lines)."""
+    return {"schedule": check["schedule"], "skipped": check.get("skipped"),
+            "inherited": check.get("inherited") or {}, "unmeasured": check.get("unmeasured") or [],
+            "over_budget": check.get("over_budget") or [], "seconds": check.get("seconds"),
+            "loads": {c: {k: v.get(k) for k in SUMMARY_KEYS} for c, v in check["loads"].items()}}
+
+
 def check_lines(check: Dict[str, Any]) -> List[str]:
     """What tune says about the check, one line per checked load."""
     if not check.get("loads"):

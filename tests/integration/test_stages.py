@@ -702,7 +702,7 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     drops both (and b = 2 and 3 at each), K = 0 at both, and evaluate's schedule, the policy
     at that load and deploy's vLLM ranges all follow it."""
     from pipeline.evaluation.deploy import load_deploy, render, vllm_schedule_config
-    from pipeline.evaluation.load_check import check_lines, checked_schedule
+    from pipeline.evaluation.load_check import check_lines, checked_schedule, summary_of
     from pipeline.policy.blocksize import BlockSizePolicy
     from stages.evaluate import EvaluateStage
     from stages.evaluate_load import schedule_of
@@ -718,6 +718,12 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     assert sorted(check["loads"]) == (["16"] if model[16] > 1 else [])  # evaluate.concurrency [1, 16]
     for v in check["loads"].values():
         assert v["repeats"] == 2 and 1 <= v["prompts"] <= 8 and v["why"].startswith(("measured", "no interval"))
+    # tune's summary carries the check's time and what it left unmeasured, and says the time
+    said = summaries["tune"]["load_check"]
+    assert said["seconds"] == check.get("seconds") and said["unmeasured"] == check["unmeasured"]
+    if check["loads"]:
+        assert any(m == f"load check: {check['seconds']:.1f} s of timing over {len(check['loads'])} load(s)"
+                   for st, m in summaries["_lines"] if st == "tune"), summaries["_lines"]
     # tune's rules at load are searched only where the checked schedule speculates (evaluate runs none elsewhere)
     rules_at = json.loads((out / "tune" / layout.STEP_RULE).read_text())["load"]
     assert sorted(rules_at, key=int) == [c for c, b in sorted(check["schedule"].items(), key=lambda kv: int(kv[0]))
@@ -768,6 +774,11 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     cut = run_check(cfg, TuneStage(cfg))
     assert sorted(cut["loads"]) == ["4"] and cut["over_budget"] == [16] and 16 in cut["unmeasured"]
     assert "(c in [16]: past tune.load_budget_s)" in "\n".join(check_lines(cut))
+    # what tune's summary keeps of a check says the same closing lines: each load's time and the check's
+    for full in (forced, cut):
+        assert check_lines(summary_of(full)) == check_lines(full)
+    assert f"load check: {forced['seconds']:.1f} s of timing over 2 load(s)" in check_lines(summary_of(forced))
+    assert f", {forced['loads']['16']['seconds']:.1f} s)" in check_lines(summary_of(forced))[1]
     # no val prompt to time on (train.val_fraction=0): nothing measured, the model's schedule, and deploy says why
     cfg = cfg_for(copy, "evaluate.concurrency=[1,4,16]", "train.val_fraction=0")
     none = run_check(cfg, TuneStage(cfg))

@@ -397,7 +397,10 @@ def context_lines(d: Deploy) -> List[str]:
     first = min(d.context)
     lines = [f"Acceptance by prompt length (the label set's train split, modelled cost at c={first}):", "",
              *render_table(d.context[first]), ""]
+    off = d.no_speculation_from
     lines += [f"- c={c}: best b {'varies' if t.varies else 'does not vary'} with prompt length ({t.why})."
+              + (" Served: K = 0 in every length bucket, as tune's load check measured at this load (the buckets "
+                 "are the cost model's)." if off is not None and c >= off and t.varies else "")
               for c, t in sorted(d.context.items()) if c != first]
     if any(t.varies for t in d.context.values()):
         entries = context_ranges(d.context, no_speculation_from=d.no_speculation_from, served=d.schedule)

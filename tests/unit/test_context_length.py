@@ -266,3 +266,12 @@ def test_deploy_prints_the_5_item_form_with_the_3_item_schedules_k_as_a_json_blo
         buckets = [bk for bk in t.buckets if bk.ctx_hi >= a and bk.ctx_lo <= z]
         assert all(k == (bk.best_b if bk.beyond_noise else schedule[max(c for c in tables if c <= lo)]) - 1
                    for bk in buckets)
+    # tune's load check measured no speculation faster at c = 64: K = 0 in every bucket there, and the line says so
+    from dataclasses import replace
+
+    assert tables[64].varies  # the model's buckets would speculate there
+    checked = replace(d, load_check={"loads": {"64": {"b": 3, "kept": False, "serve": 1}}})
+    lines = deploy.context_lines(checked)
+    assert any(x.startswith("- c=64: best b varies") and "Served: K = 0 in every length bucket" in x for x in lines)
+    entries = json.loads(lines[lines.index("```json") + 1])
+    assert {e[4] for e in entries if e[0] >= 64} == {0}

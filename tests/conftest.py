@@ -89,20 +89,20 @@ FAST = [
 
 @pytest.fixture(autouse=True)
 def autograd_as_found():
-    """Every test starts with autograd on, as a fresh process has it. In the fresh-clone run of c61daa9 (2026-12-06)
-    five in-process training tests in one worker failed with "element 0 of tensors does not require grad": a test
-    before them in that worker had left autograd off, and which one could not be found in the time left (the
-    candidates run alone kept it on). A test that turns it off is named in a warning, and autograd is put back."""
+    """Every test runs with autograd on and outside inference mode, as in a fresh process. In the fresh-clone runs of
+    c61daa9 and aae93cf (2026-12-06) five in-process training tests in one worker failed with "element 0 of tensors
+    does not require grad": state left by a test before them in that worker, not found in the time left. Re-enabling
+    grad mode alone did not help (aae93cf), so the state is most likely an inference-mode context left entered:
+    each test now runs inside ``inference_mode(False)`` and ``enable_grad()``, and a warning says when either was off
+    at its start."""
     import warnings
 
     import torch
 
-    if not torch.is_grad_enabled():
-        torch.set_grad_enabled(True)
-    yield
-    if not torch.is_grad_enabled():
-        warnings.warn("this test left torch autograd disabled; re-enabled for the next test")
-        torch.set_grad_enabled(True)
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        warnings.warn("torch inference mode on or autograd off at this test's start: left by an earlier test")
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 @pytest.fixture

@@ -228,11 +228,10 @@ def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_ma
     return [[lo, hi, a, z, k] for lo, hi, row in rows for (a, z), k in zip(ctx, row)]
 
 
-def table_from_shards(shards: Sequence, candidates: Sequence[int], cost: Optional[Callable[[int], float]] = None,
-                      split: Optional[str] = "train", val_fraction: float = 0.3, calibration_fraction: float = 0.15,
-                      n: int = 4, with_ar: bool = True, base_b: Optional[int] = None) -> ContextTable:
-    """context_table over label shards' rows (``split``: "train", "val" or "calib" as split_of names them, with
-    the config's fractions; None: every row). ``candidates``: the block sizes each row's tau list aligns with."""
+def rows_from_shards(shards: Sequence, candidates: Sequence[int], split: Optional[str] = "train",
+                     val_fraction: float = 0.3, calibration_fraction: float = 0.15) -> Tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, tau [rows, candidates]) of the label shards' rows in ``split`` ("train", "val" or "calib" as
+    split_of names them, with the config's fractions; None: every row): read once, for a table at every c."""
     from pipeline.io.storage import read_table
     from pipeline.policy.blocksize import split_of  # imports torch: only here, so the module stays numpy-only
 
@@ -249,6 +248,14 @@ def table_from_shards(shards: Sequence, candidates: Sequence[int], cost: Optiona
     keep = [split is None or split_of(i, val_fraction, calibration_fraction) == split for i in ids]
     if not any(keep):
         raise ValueError(f"no rows in split {split!r}")
-    x = np.array(lengths, dtype=np.int64)[keep]
-    return context_table(x, np.array(taus, dtype=np.float64).reshape(len(ids), -1)[keep], candidates, cost, n,
-                         with_ar, base_b)
+    return (np.array(lengths, dtype=np.int64)[keep],
+            np.array(taus, dtype=np.float64).reshape(len(ids), -1)[keep])
+
+
+def table_from_shards(shards: Sequence, candidates: Sequence[int], cost: Optional[Callable[[int], float]] = None,
+                      split: Optional[str] = "train", val_fraction: float = 0.3, calibration_fraction: float = 0.15,
+                      n: int = 4, with_ar: bool = True, base_b: Optional[int] = None) -> ContextTable:
+    """context_table over label shards' rows (:func:`rows_from_shards`). ``candidates``: the block sizes each row's
+    tau list aligns with."""
+    x, tau = rows_from_shards(shards, candidates, split, val_fraction, calibration_fraction)
+    return context_table(x, tau, candidates, cost, n, with_ar, base_b)

@@ -246,17 +246,10 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
         schedule=sched, load_check=check, sweep=sweep,
+        # each length bucket compared with the b the 3-item form serves at that load (the schedule, after the load
+        # check, is over the same grid; without one, the fixed b): where length does not matter, both forms agree
         context=context_tables(run, cfg.train, info, None if cost_profile is None else serving,
-                               base=_base_b(sched, b)))
-
-
-def _base_b(sched: Optional[Dict[int, int]], b: int) -> Callable[[int], int]:
-    """The b the 3-item form serves at load c (the schedule's, after the load check; without a schedule the fixed
-    b): what the 5-item form's buckets are compared with, so that where length does not matter both forms agree."""
-    if not sched:
-        return lambda c: b
-    cs = sorted(sched)
-    return lambda c: sched[max([x for x in cs if x <= c] or [cs[0]])]
+                               base=lambda c: (sched or {}).get(c, b)))
 
 
 def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None,
@@ -266,7 +259,7 @@ def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None
     padded_width of the train rows), each bucket compared with ``base(c)`` (the 3-item form's b there) and the
     "varies" verdicts corrected over every bucket at every c together (context_length.decide). None without label
     shards or a cost profile."""
-    from pipeline.evaluation.context_length import decide, table_from_shards
+    from pipeline.evaluation.context_length import context_table, decide, rows_from_shards
     from pipeline.io.shards import list_shards
     from pipeline.policy.cost import CostProfile
     from pipeline.io.storage import parquet_file
@@ -290,9 +283,9 @@ def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None
         b = None if base is None else base(c)  # load check kept): its K comes from the check (context_ranges)
         return b if b is not None and (b in cands or (b == 1 and has_ar(load))) else None
 
-    tables = {c: table_from_shards(shards, cands, lambda b, c=c: load.cost(b, c, width(c)), "train",
-                                   train_cfg.val_fraction, calib, with_ar=has_ar(load), base_b=base_at(c))
-              for c in load.concurrency}
+    x, tau = rows_from_shards(shards, cands, "train", train_cfg.val_fraction, calib)  # once, for every c
+    tables = {c: context_table(x, tau, cands, lambda b, c=c: load.cost(b, c, width(c)), with_ar=has_ar(load),
+                               base_b=base_at(c)) for c in load.concurrency}
     decide(list(tables.values()))
     return tables
 

@@ -9,6 +9,7 @@ eager" would hold trivially. compile_forward counts the calls that went through 
 fallback; dynamo's own silent fallback (at its recompile limit) is made an error for the test; and the graphs are
 counted from a cleared counter (dynamo's counters are process-wide; ``torch._dynamo.reset()`` does not clear them)."""
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +46,7 @@ def test_compiled_decodes_equal_eager_and_greedy_at_batch_1_and_batched():
     eager = _decode_all(engine, prompts)
     assert apply_compile(SimpleNamespace(target=target, draft=draft), "on")
     torch._dynamo.reset()
+    gc.collect()  # garbage of earlier tests dies here, not inside the compile's tracing (VllmEngine.shutdown says why)
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         compiled = _decode_all(engine, prompts)

@@ -72,7 +72,7 @@ def prompts(tmp_path_factory):
 
 
 def config(out, *extra):
-    return load_config([f"output_dir={out}", *FAST, "prepare.shard_size=4", *extra])
+    return load_config([f"output_dir={out}", *FAST, "prepare.shard_size=4", "label.num_workers=2", *extra])
 
 
 def broken(prompts, tmp_path, fault):

@@ -30,7 +30,8 @@ from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
 
 # Ray's default ports: none of them may be used here, so a default Ray on the same machine is left alone.
 RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365, 8076, 8077, 8080}
-SMALL = [*FAST, "train.epochs=2"]  # FAST already has workers.cpus_per_worker=0.5 and train.use_gpu=false
+# FAST already has workers.cpus_per_worker=0.5 and train.use_gpu=false; two label actors, one per node's GPU
+SMALL = [*FAST, "train.epochs=2", "label.num_workers=2"]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ HIDDEN, LAYERS, CLASSES = 64, 2, 5  # train.hidden, train.n_layers; the paper's 
 SETTINGS = [
     *ONE_SOURCE, "model.tokenizer=bundled:tiny-target", "model.device=cpu", "progress=false",
     "prepare.limit=8", "prepare.shard_size=4", "decode.max_new_tokens=16", "label.k=2", "label.batch_size=4",
-    "workers.cpus_per_worker=0.5",
+    "workers.cpus_per_worker=0.5", "label.num_workers=1", "evaluate.num_workers=1",  # one actor each (as FAST)
     # one short round of the start-up cost profile, c = 1 and 4
     "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
     "profile.concurrency=[1,4]",

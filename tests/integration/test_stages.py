@@ -27,7 +27,8 @@ from pipeline.data.validate import validate_dataset
 
 
 def cfg_for(out, *extra):
-    return load_config([f"output_dir={out}", *FAST, *extra])
+    # two label actors, one per (fake) GPU: the run folder's test checks their placement
+    return load_config([f"output_dir={out}", *FAST, "label.num_workers=2", *extra])
 
 
 class StageLines(logging.Handler):

@@ -86,8 +86,8 @@ FAST = [
     "tune.load_prompts=8", "tune.load_repeats=2", "tune.load_max_repeats=2",
     # One actor per decoding stage (the default's two each cost a second interpreter with its ~6 CPU-s of imports,
     # a model load and, in label, a cost profile, in every stage of every test on two shared cores). The tests of
-    # several workers say so themselves: test_stages' run (two label actors on distinct GPUs), test_cluster,
-    # test_broken_device, test_faults, test_shared_profile.
+    # several workers say so themselves: test_shared_profile (two label actors on distinct GPUs), test_cluster,
+    # test_broken_device, test_faults.
     "label.num_workers=1", "evaluate.num_workers=1", "tune.num_workers=1",
 ]
 

@@ -1,5 +1,5 @@
 """label with the cost profile shared per device kind (profile.share=on: on CPUs it is off by default), on the
-session's Ray with its two label actors: one measures, the other reuses it after a check of its own, and says so
+session's Ray with its two label actors, one per (fake) GPU: one measures, the other reuses it after a check of its own, and says so
 when its own steps differ (a tolerance no two timings meet)."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ def test_two_label_workers_of_one_kind_measure_the_profile_once(tmp_path, ray_se
     assert run.rc == 0, run.tail()
     workers = json.loads((out / "labels" / "summary.json").read_text())["workers"]
     assert len(workers) == 2, workers
+    # one actor per (fake) GPU of the session's node, on distinct GPU ids
+    assert sorted(w["gpu_ids"][0] for w in workers) == ["0", "1"] and len({w["identity"] for w in workers}) == 2
     how = sorted(w["cost_profile"]["sharing"]["shared"] for w in workers)
     assert how == ["measured", "reused"], workers
     assert workers[0]["step_cost_seconds"] == workers[1]["step_cost_seconds"]  # one cost model for the set

@@ -96,10 +96,11 @@ FAST = [
 def autograd_as_found():
     """Every test runs with autograd on and outside inference mode, as in a fresh process. In the fresh-clone runs of
     c61daa9 and aae93cf (2026-12-06) five in-process training tests in one worker failed with "element 0 of tensors
-    does not require grad": state left by a test before them in that worker, not found in the time left. Re-enabling
-    grad mode alone did not help (aae93cf), so the state is most likely an inference-mode context left entered:
-    each test now runs inside ``inference_mode(False)`` and ``enable_grad()``, and a warning says when either was off
-    at its start."""
+    does not require grad": state left by a test before them in that worker. Re-enabling grad mode alone did not help
+    (aae93cf); each test now runs inside ``inference_mode(False)`` and ``enable_grad()``, and a warning says when either
+    was off at its start. The likely source, found later: vLLM's matmul handlers outliving the in-process engine and
+    dying inside test_compiled's compile tracing (pipeline.decoding.vllm_engine.VllmEngine.shutdown), fixed there; this
+    guard stays, since that cause was inferred from one run's log and never reproduced on demand."""
     import warnings
 
     import torch

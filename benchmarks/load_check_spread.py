@@ -11,6 +11,11 @@ import json
 import math
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.evaluation.sequential import log_ratios  # noqa: E402  (the check's own paired ratio)
 
 
 def timings(check: dict):
@@ -20,14 +25,14 @@ def timings(check: dict):
             b = next((k for k in per if k != "AR"), None)
             if b is None:
                 continue
-            ratios = [math.log(x / a) for a, x in zip(per["AR"]["window_throughput"], per[b]["window_throughput"])]
+            ratios = log_ratios(per[b]["window_throughput"], per["AR"]["window_throughput"])
             yield c, b, t, statistics.stdev(ratios) if len(ratios) > 1 else float("nan")
 
 
 def main(paths) -> int:
     sds = []
     for path in paths:
-        check = json.load(open(path))
+        check = json.loads(Path(path).read_text())
         print(f"{path}: {check.get('seconds')} s of timing")
         for c, b, t, sd in timings(check):
             lo, hi = t["interval"]["ci"]

@@ -214,9 +214,13 @@ def test_workers_that_never_start_are_waited_for_then_refused_naming_the_key(inp
     assert [(k, m.split(":")[0]) for _, k, m in refused.value.problems] == \
         [("scripted.num_workers", "not started within workers.wait_s=6 s")], refused.value.problems
     waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for workers: ")]
-    counts = [re.match(r"waiting for workers: (\d)/3 checked, (\d) checking, (\d) not started after \d+ s ", m)
-              for m in waiting]
-    assert counts and all(c and int(c.group(1)) < 3 and int(c.group(3)) >= 1 for c in counts), waiting
+    counts = [re.match(r"waiting for workers: (\d)/3 checked, (\d) checking, (\d) not started(?:, (\d) given up)? "
+                       r"after \d+ s ", m) for m in waiting]
+    assert counts and all(c for c in counts), waiting
+    counts = [[int(n or 0) for n in c.groups()] for c in counts]
+    # every worker is in exactly one group; the one that cannot start is never "checked": it is still waited for,
+    # or, on a machine so loaded that the line falls after wait_s while the others still check, given up on
+    assert all(sum(c) == 3 and c[0] < 3 and c[2] + c[3] >= 1 for c in counts), waiting
     assert list_shards(tmp_path / "out") == [] and not any(tmp_path.glob("*.parquet"))
 
 

@@ -110,6 +110,7 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
     checks = {a.handle.preflight.remote(spec): i for i, a in enumerate(actors)}
     started: Dict[int, float] = {}  # actor -> when its start was seen
     rows: Dict[int, Dict[str, Any]] = {}
+    late: set = set()  # actors given up on (their deadline passed): not "checked", whatever their row says
     t0 = time.monotonic()
     next_line = t0 + pool.progress_s
 
@@ -121,6 +122,7 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
         for ref, i in list(checks.items()):
             if now >= deadline(i):
                 del checks[ref]
+                late.add(i)
                 rows[i] = _late_row(i, i in started, pool, place, ray)
         if not checks:
             break
@@ -142,8 +144,9 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
         if checks and time.monotonic() >= next_line:
             next_line += pool.progress_s
             checking = sum(i in started for i in checks.values())
-            say.info(f"waiting for workers: {len(rows)}/{len(actors)} checked, {checking} checking, "
-                     f"{len(checks) - checking} not started after {time.monotonic() - t0:.0f} s (each asks "
+            say.info(f"waiting for workers: {len(rows) - len(late)}/{len(actors)} checked, {checking} checking, "
+                     f"{len(checks) - checking} not started{f', {len(late)} given up' if late else ''} after "
+                     f"{time.monotonic() - t0:.0f} s (each asks "
                      f"{place.asks()}; the cluster: {_resources(ray)}; workers.wait_s={pool.wait_s:g})")
     return [rows[i] for i in range(len(actors))]
 

@@ -1,6 +1,8 @@
 """engine.compile (pipeline/decoding/compiled.py): at T = 0 the compiled forwards decode token for token what eager
 decodes, and what plain greedy decoding gives, at batch 1 and batched, with every b, a stop and a budget end (CPU,
-fp32). In the integration layer: two CPU compiles (~40 s each) are the test's cost.
+fp32). In the integration layer, and over 120 s (129-152 s alone, 159-169 s in the suite, 2026-12-06, inductor's
+cache in /tmp fresh or not): the compiles are the test's cost, 13 graphs (8 at batch 1, where block sizes, the one-token
+step and b = 1 specialise, and 5 batched) at 80-92 CPU-s; batch 1 and batched are both what it proves.
 
 The reference is the target's own greedy decode (greedy_reference, no engine, no cache reuse): a cache one position
 off in either engine changes the tokens and fails here, as a mismatch between the two engines would. That the

@@ -42,9 +42,9 @@ SETTINGS = [
 ]
 
 
-# Over 120 s in the suite (96 s alone, 110-114 s in the suite on its session Ray, 2026-12-05; 126-138 s, 2026-12-06): every stage at V = 151,936, where
-# each logits row is 600 KB and the label, train and evaluate stages move them for real; that vocabulary is what it
-# proves.
+# Over 120 s in the suite (96 s alone, 110-114 s in the suite on its session Ray, 2026-12-05; 126-138 s in the suite,
+# 2026-12-06): every stage at V = 151,936, where each logits row is 600 KB and the label, train and evaluate stages
+# move them for real; that vocabulary is what it proves.
 def test_every_stage_meets_qwen3s_vocabulary_and_the_zlab_config_keys(tmp_path_factory, ray_session):
     work = tmp_path_factory.mktemp("real-shapes")
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from pipeline.executor.preflight import driver_probe, one_line, table, unreadable, verdict
 from pipeline.runtime.log import get as log, said_before
@@ -110,7 +110,7 @@ def _gather(run, actors, spec) -> List[Dict[str, Any]]:
     checks = {a.handle.preflight.remote(spec): i for i, a in enumerate(actors)}
     started: Dict[int, float] = {}  # actor -> when its start was seen
     rows: Dict[int, Dict[str, Any]] = {}
-    late: set = set()  # actors given up on (their deadline passed): not "checked", whatever their row says
+    late: Set[int] = set()  # actors given up on (their deadline passed): not "checked", whatever their row says
     t0 = time.monotonic()
     next_line = t0 + pool.progress_s
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.fx.experimental._config as shapes
 
 from pipeline.runtime.checks import COMPILE_MODES
 from pipeline.runtime.log import get as log
@@ -32,6 +33,15 @@ def wants_compile(mode: str, device_type: str) -> bool:
     if mode not in COMPILE_MODES:
         raise ValueError(f"engine.compile must be one of {COMPILE_MODES}, got {mode!r}")
     return mode == "on" or (mode == "auto" and device_type == "cuda")
+
+
+# Duck shapes off while a compiled forward traces: by default dynamo gives sizes that are equal when it traces (a
+# one-token query against a one-slot cache, a block as long as the cache) one symbol, and the next call where they
+# differ fails that guard and recompiles. On the tiny pair's batch-1 and batched decodes over every b (the test in
+# tests/integration/test_compiled.py) that was 12 graphs and 109 CPU-s of compile; without, 8 graphs and 70 CPU-s,
+# tokens equal (benchmarks/compile_shapes.py, which also times the compiled step both ways). Set per call, not
+# process-wide: other code in the process (vLLM's own compile) keeps torch's default.
+DUCK_SHAPES = False
 
 
 def compile_forward(module: torch.nn.Module, name: str) -> None:
@@ -47,6 +57,7 @@ def compile_forward(module: torch.nn.Module, name: str) -> None:
         if _filling(kwargs.get("past_key_values")):
             state["eager_calls"] += 1
             return eager(*args, **kwargs)
+        duck, shapes.use_duck_shape = shapes.use_duck_shape, DUCK_SHAPES  # for this call's tracing alone
         try:
             out = state["fn"](*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # noqa: SLF001 - dynamo's own error base
@@ -57,6 +68,8 @@ def compile_forward(module: torch.nn.Module, name: str) -> None:
             state["fn"], state["fallback"] = eager, reason
             state["eager_calls"] += 1
             return eager(*args, **kwargs)
+        finally:
+            shapes.use_duck_shape = duck
         state["compiled_calls" if state["fn"] is compiled else "eager_calls"] += 1
         return out
 

@@ -1,8 +1,8 @@
 """engine.compile (pipeline/decoding/compiled.py): at T = 0 the compiled forwards decode token for token what eager
 decodes, and what plain greedy decoding gives, at batch 1 and batched, with every b, a stop and a budget end (CPU,
-fp32). In the integration layer, and over 120 s (129-152 s alone, 159-169 s in the suite, 2026-12-06, inductor's
-cache in /tmp fresh or not): the compiles are the test's cost, 13 graphs (8 at batch 1, where block sizes, the one-token
-step and b = 1 specialise, and 5 batched) at 80-92 CPU-s; batch 1 and batched are both what it proves.
+fp32). In the integration layer: the compiles are the test's cost, 8 graphs at ~70 CPU-s with a cold inductor cache
+(12 graphs and ~109 CPU-s with dynamo's duck shapes, which compile_forward turns off: benchmarks/compile_shapes.py);
+batch 1 and batched are both what it proves.
 
 The reference is the target's own greedy decode (greedy_reference, no engine, no cache reuse): a cache one position
 off in either engine changes the tokens and fails here, as a mismatch between the two engines would. That the
@@ -55,6 +55,7 @@ def test_compiled_decodes_equal_eager_and_greedy_at_batch_1_and_batched():
     for module in (target.model, draft):
         state = compile_state(module)
         assert state["fallback"] is None and state["compiled_calls"] > 0, state
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # both models' graphs, built in this test
+    # both models' graphs, built in this test; at most 8, as compile_forward's shapes give (with duck shapes: 12)
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 8
     assert compiled == eager
     assert compiled[0] == truth and compiled[1] == truth

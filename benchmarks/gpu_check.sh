@@ -35,20 +35,22 @@ rm -f "$OUT"/*.json "$OUT"/status.txt
 # finish in about 8 minutes.
 if [ "$DEVICE" = cpu ]; then
   # (sized for CI, tests/integration/test_gpu_check_cpu.py: every step runs and writes what the summary reads; the
-  # figures mean nothing. The pipeline step sets every grid the default would otherwise bring in at full size, and
-  # evaluates at c = 1 alone: the passes at load are tests/integration/test_stages.py's, and nothing in the summary
-  # reads them. Under a minute is out of reach: 8 fresh interpreters (~4 s of imports each), a local Ray with its
-  # actors and Ray Train (~45 s), vLLM's start-up (~15 s).)
+  # figures mean nothing. The pipeline step sets every grid the default would otherwise bring in at full size,
+  # evaluates at c = 1 alone and skips tune (evaluate.per_step=false): the passes at load and tune are
+  # tests/integration/test_stages.py's, and nothing in the summary reads them. Under a minute is out of reach: 8
+  # fresh interpreters (~4 s of imports each), a local Ray with its actors and Ray Train (~40 s), vLLM's start-up
+  # (~15 s).)
   # replay in fp32 on CPU: exact there, so agreement must be total (bf16 on a CPU without bf16 units is slow)
   REPLAY_ARGS="--dtype float32 --prompts 1 --max-new-tokens 8"
   RUN_ARGS="prepare.limit=2 prepare.shard_size=8 evaluate.limit=1 decode.max_new_tokens=16 label.k=1 \
-label.num_workers=1 tune.num_workers=1 evaluate.num_workers=1 workers.cpus_per_worker=0.5 \
+label.num_workers=1 evaluate.num_workers=1 workers.cpus_per_worker=0.5 \
 train.epochs=2 train.checkpoint_every=2 train.rules=[threshold:0.05] train.use_gpu=false \
 profile.max_repeats=1 profile.min_repeats=1 profile.steps=4 profile.context_lengths=[32] profile.concurrency=[1] \
-tune.rules=[full,threshold:0.05] tune.limit=1 evaluate.concurrency=[1]"
+evaluate.per_step=false evaluate.concurrency=[1]"
   BENCH_ARGS="--prompts 2 --max-new-tokens 16"
   COST_ARGS="--smoke --prompt-tokens 16 --batches 4 --steps 4"
   VLLM_ARGS="--smoke --prompts 4 --prompt-tokens 16 --max-new-tokens 16"
+  SDPA_ARGS="--context 128 --rows 8"
   COMPILE=""
 else
   REPLAY_ARGS="--dtype bfloat16 --prompts 32 --max-new-tokens 128"
@@ -56,6 +58,7 @@ else
   BENCH_ARGS="--prompts 24 --max-new-tokens 128"
   COST_ARGS=""
   VLLM_ARGS="--hbm-gbs 4800"
+  SDPA_ARGS=""
   COMPILE="--compile"
 fi
 
@@ -81,7 +84,7 @@ rm -rf "$OUT/run"
 step pipeline 300 "$PY" -m stages.cli run output_dir="$OUT/run" model.device="$DEVICE" \
   ray.address="${RAY_ADDRESS:-local}" progress=false $RUN_ARGS
 step throughput 120 "$PY" benchmarks/label_throughput.py --device "$DEVICE" $BENCH_ARGS
-step sdpa-kernels 60 "$PY" benchmarks/sdpa_kernels.py --device "$DEVICE"
+step sdpa-kernels 60 "$PY" benchmarks/sdpa_kernels.py --device "$DEVICE" $SDPA_ARGS
 # 5. Qwen3-8B shapes (random weights, bf16): batch-1 and batch-64 steps, eager and engine.compile=on, as GB/s against
 #    the H200's 4.8 TB/s (on CPU: --smoke, tiny widths, eager only, the figures mean nothing).
 # 6. vLLM's labelling (label.engine=vllm) at Qwen3-8B shapes: prompts per GPU-hour, GB/s against the HBM bound

@@ -68,22 +68,24 @@ def test_replay_refuses_sampling():
 
 
 def test_replay_equals_exhaustive_on_the_tiny_pair():
-    """The shipped pair (fp32, CPU) on 4 held-out prompts of each kind of the default's label sources (20): half
-    stop at a newline token (stop-token clipping), half run to max_new_tokens."""
+    """The shipped pair (fp32, CPU) on 2 held-out prompts of each kind of the default's label sources (10): half
+    stop at a newline token (stop-token clipping), half run to max_new_tokens. (At 4 of each kind it took 18 s of the
+    unit layer's 3 minutes; 10 cover each case several times: 10 accepting, 4 stopped, 6 run to the budget, 4
+    distinct labels, 2026-12-06.)"""
     from pipeline.runtime.config import KINDS, ModelConfig, load_config
     from pipeline.decoding.models import load_models
     from pipeline.data.sources import build_prompts
 
     m = load_models(ModelConfig(dtype="float32", device="cpu"))
-    rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=4)
+    rows, _, _ = build_prompts(load_config().prepare.sources, m.tokenizer, 1024, limit=2)
     newline = m.tokenizer("\n", add_special_tokens=False)["input_ids"]
     stats = {"prompts": 0, "accepting": 0, "max_new": 0, "stopped": 0, "distinct_labels": set()}
     for i, row in enumerate(rows):
         stops = m.stop_token_ids if i % 2 else m.stop_token_ids + newline[-1:]
         ids = torch.tensor(row["input_ids"])[None]
         _compare(Engine(m.target, m.draft, stops), ids, candidate_block_sizes(8, 2), 32, stats)
-    assert stats["prompts"] == 4 * len(KINDS) and stats["accepting"] >= 6
-    assert stats["max_new"] >= 4 and stats["stopped"] >= 4
+    assert stats["prompts"] == 2 * len(KINDS) and stats["accepting"] >= 3
+    assert stats["max_new"] >= 2 and stats["stopped"] >= 2
     assert len(stats["distinct_labels"]) >= 2
 
 

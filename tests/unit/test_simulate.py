@@ -56,9 +56,11 @@ VARIANTS = {"full": {}, "dflash2": dict(dflash2=True),
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_simulated_equals_decoded_on_random_pairs(variant):
     """Batch-1 replay's trace and batched replay's trace, each against the engine, for every rule; a stop token
-    reached mid-way, and short budgets (the max_new_tokens cut, blocks narrower than b_max near it)."""
+    reached mid-way, and short budgets (the max_new_tokens cut, blocks narrower than b_max near it). One random pair
+    per variant: each met every case many times over (65-74 cut steps, 6-12 stopped and 6-12 budget-cut decodes,
+    38-40 cuts by the learned rules, 2026-12-06); a second seed doubled the test's 35 s in the unit layer."""
     stats = {"cut": 0, "steps": 0, "stopped": 0, "max_new": 0}
-    for seed in (0, 1):
+    for seed in (0,):
         target, draft = make_pair(seed, block_size=B_MAX, **VARIANTS[variant])
         prompts = [prompt(seed * 10 + p, length=n) for p, n in enumerate((5, 9, 3))]
         free = Engine(target, draft)

@@ -129,14 +129,19 @@ def ray_session(s3_server):
     get the session's S3 server's client environment, so that a stage in this process can write to a test's bucket
     from its actors and Ray Train workers as a fresh process's local Ray would: inherited, as there, from the
     environment the local Ray's processes start in (set for ``ray.init`` alone; this process's own stays clean). Not
-    a job ``runtime_env``: with one, Ray starts every worker through its runtime-env setup, which measured 1.37
-    against 0.70 CPU-s of the machine per bare actor (2026-12-06, 8 actors each), and this Ray starts ~100."""
+    a job ``runtime_env``: with one, Ray starts every worker through its runtime-env setup, 1.20-1.25 against
+    0.65-0.68 CPU-s of the machine per bare actor (benchmarks/results/ray-worker-start.md), and this Ray starts
+    ~100."""
     import ray
 
     with pytest.MonkeyPatch.context() as mp:
         for k, v in s3_server.env.items():
             mp.setenv(k, v)
         ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    # Its workers' logs go to no driver (log_to_driver=False), yet Ray's log monitor would tail every worker's log
+    # files ten times a second for nobody, at a cost that grows with the files: 30 CPU-s by 1,040 s into the suite of
+    # 2026-12-06, ~1.5 % of the machine's cores. Stopped; ray.shutdown stops the rest as usual.
+    ray._private.worker._global_node.kill_log_monitor()
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = False

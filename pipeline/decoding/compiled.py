@@ -4,9 +4,9 @@ What is compiled: the target's decoder stack (``target.model.forward``: the veri
 steps of every engine, the batched one's included; the lm_head stays eager) and the draft's ``forward`` (the batch-1
 engine's block forward; the batched engine runs the draft's layers written out, eager), with dynamic shapes: a
 graph serves every block size, batch and cache length but the sizes 1 that dynamo specialises, so a run does not
-recompile per b, c or width (on this CPU the tiny pair's batch-1 and batched decodes over b in 1..8 built 8 graphs
-with duck shapes off, below; benchmarks/results/compile-shapes.md). The engine loops around them (acceptance, cache
-crops, the batched engine's bookkeeping) stay Python.
+recompile per b, c or width (on this CPU a random 3-layer pair's batch-1 and batched decodes over b in 1..8 built
+8 graphs with duck shapes off, below; benchmarks/results/compile-shapes.md). The engine loops around them
+(acceptance, cache crops, the batched engine's bookkeeping) stay Python.
 
 What is not: CUDA graphs (``mode="reduce-overhead"``). The engines hold a forward's outputs across the next forward
 (the draft's context features, replay's kept features), which a replayed graph would overwrite; a static-cache

@@ -94,10 +94,11 @@ def main(argv=None) -> int:
         print(f"| {'on (torch default)' if duck else 'off (shipped)'} | {sorted({x['graphs'] for x in mine})} | "
               f"{statistics.median(x['compile_cpu_s'] for x in mine):.1f} | "
               f"{statistics.median(x['step_ms'] for x in mine):.3f} | {all(x['equal_eager'] for x in mine)} |")
-    on = [x for x in rows if x["duck"]]
-    off = [x for x in rows if not x["duck"]]
-    print(f"\nratio off/on: compile CPU {statistics.median(x['compile_cpu_s'] for x in off) / statistics.median(x['compile_cpu_s'] for x in on):.2f}x, "
-          f"step {statistics.median(x['step_ms'] for x in off) / statistics.median(x['step_ms'] for x in on):.2f}x")
+    def median(key, duck):
+        return statistics.median(x[key] for x in rows if x["duck"] == duck)
+
+    print(f"\nratio off/on: compile CPU {median('compile_cpu_s', False) / median('compile_cpu_s', True):.2f}x, "
+          f"step {median('step_ms', False) / median('step_ms', True):.2f}x")
     return 0 if all(x["equal_eager"] and x["fallback"] == [None, None] for x in rows) else 1
 
 

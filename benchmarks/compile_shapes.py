@@ -2,8 +2,9 @@
 side by side: graphs built, compile CPU seconds, and the compiled step's time afterwards, tokens compared.
 
 Each side runs in a fresh interpreter with a fresh inductor cache (dynamo's caches and counters are process-wide), on
-tests/integration/test_compiled.py's workload: a random 3-layer pair, 10 prompts of 1-29 tokens decoded at batch 1
-over b in (1, 2, 3, 5, 8) and once more as one continuous batch, 12 new tokens. Then, compiled and warm, the batch-1
+tests/integration/test_compiled.py's workload, imported from it (``workload``, ``decode_all``): a random 3-layer pair,
+10 prompts of 1-29 tokens decoded at batch 1 over b in (1, 2, 3, 5, 8) and once more as one continuous batch, 12 new
+tokens. Then, compiled and warm, the batch-1
 decode of the same prompts at b = 8 is timed over --rounds rounds (median ms per step). Sides alternate per round.
 
     .venv/bin/python benchmarks/compile_shapes.py [--rounds 2]
@@ -26,30 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "tests"):
     sys.path.insert(0, str(p))
 
-NEW, SIZES, PROMPTS = 12, (1, 2, 3, 5, 8), 10
-
 
 def one_side(duck: bool) -> dict:
     import torch
 
     import pipeline.decoding.compiled as compiled_mod
-    from pipeline.decoding.batched import BatchedEngine
     from pipeline.decoding.engine import Engine
-    from random_pair import EOS_ID, make_pair, prompt
+    from integration.test_compiled import NEW, decode_all, workload
+    from random_pair import EOS_ID
 
     torch.set_num_threads(1)
     compiled_mod.DUCK_SHAPES = duck
-
-    def decode_all(engine, prompts, sizes=SIZES):
-        batch1 = []
-        for i, p in enumerate(prompts):
-            state = engine.prefill(torch.tensor([p]))
-            batch1.append(engine.decode(state, sizes[i % len(sizes)], NEW).new_ids.tolist())
-        run = BatchedEngine(engine).run(prompts, 4, NEW, lambda i, logits, h: (sizes[(i + 1) % len(sizes)], None))
-        return batch1, [r.decode.new_ids.tolist() for r in run.requests]
-
-    target, draft = make_pair(3)
-    prompts = [prompt(i, length=1 + (7 * i) % 29).tolist()[0] for i in [42, *range(PROMPTS - 1)]]
+    target, draft, prompts = workload()
     engine = Engine(target, draft, [EOS_ID])
     eager = decode_all(engine, prompts)
     compiled_mod.apply_compile(SimpleNamespace(target=target, draft=draft), "on")

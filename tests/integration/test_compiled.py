@@ -28,7 +28,14 @@ SIZES = (1, 2, 3, 5, 8)
 PROMPTS = 10  # each b twice at batch 1, and once more in the batched run
 
 
-def _decode_all(engine, prompts):
+def workload():
+    """The pair and the prompts (lengths 1..29; seed 42's greedy continuation stops at EOS within the budget, the others
+    run to it, asserted in the test); benchmarks/compile_shapes.py times this same workload."""
+    target, draft = make_pair(3)
+    return target, draft, [prompt(i, length=1 + (7 * i) % 29).tolist()[0] for i in [42, *range(PROMPTS - 1)]]
+
+
+def decode_all(engine, prompts):
     batch1 = []
     for i, p in enumerate(prompts):
         state = engine.prefill(torch.tensor([p]))
@@ -38,20 +45,17 @@ def _decode_all(engine, prompts):
 
 
 def test_compiled_decodes_equal_eager_and_greedy_at_batch_1_and_batched():
-    target, draft = make_pair(3)
-    # prompt lengths 1..29; seed 42's greedy continuation stops at EOS within the budget, the others run to it
-    # (asserted below)
-    prompts = [prompt(i, length=1 + (7 * i) % 29).tolist()[0] for i in [42, *range(PROMPTS - 1)]]
+    target, draft, prompts = workload()
     truth = [greedy_reference(target, torch.tensor([p]), NEW, [EOS_ID])[0, len(p):].tolist() for p in prompts]
     assert any(len(t) < NEW for t in truth) and any(len(t) == NEW for t in truth)  # stops and budgets both seen
     engine = Engine(target, draft, [EOS_ID])
-    eager = _decode_all(engine, prompts)
+    eager = decode_all(engine, prompts)
     assert apply_compile(SimpleNamespace(target=target, draft=draft), "on")
     torch._dynamo.reset()
     gc.collect()  # garbage of earlier tests dies here, not inside the compile's tracing (VllmEngine.shutdown says why)
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        compiled = _decode_all(engine, prompts)
+        compiled = decode_all(engine, prompts)
     for module in (target.model, draft):
         state = compile_state(module)
         assert state["fallback"] is None and state["compiled_calls"] > 0, state

@@ -79,9 +79,10 @@ FAST = [
     # One short round of the start-up cost profile: the default's 2 contexts x 3-5 rounds took 48-57 s of a 68 s
     # 16-prompt label run (labelling itself ~2 s). No test here asserts on measured costs.
     "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
-    # The load grid (c = 4, 16: the default's finer grid adds start-up, not coverage) once, and evaluate at c = 16
-    # with two timed repeats: the stage tests check what is written, not the timings.
-    "profile.concurrency=[1,4,16]", "profile.load_rounds=1", "evaluate.load_repeats=2",
+    # No load grid: the batch-1 profile alone, and evaluate at c = 1 alone. A label-only test has no reader of the
+    # grid, which cost ~2 of each label actor's ~5 CPU-s of profile (c = 16 in lockstep); the tests of the passes at
+    # load add LOAD below, or a grid of their own.
+    "profile.concurrency=[1]", "evaluate.concurrency=[1]", "profile.load_rounds=1", "evaluate.load_repeats=2",
     # tune's load check on a few val prompts, twice: what it writes and who reads it, not its verdict's timing
     "tune.load_prompts=8", "tune.load_repeats=2", "tune.load_max_repeats=2",
     # One actor per decoding stage (the default's two each cost a second interpreter with its ~6 CPU-s of imports,
@@ -90,6 +91,10 @@ FAST = [
     # test_broken_device, test_faults.
     "label.num_workers=1", "evaluate.num_workers=1", "tune.num_workers=1",
 ]
+# The load grid for the tests of what runs at load (evaluate's pass at load, tune's load check, deploy's schedule):
+# c = 4 and 16 once (the default's finer grid adds start-up, not coverage), evaluate at c = 16 with FAST's two timed
+# repeats. The stage tests check what is written, not the timings.
+LOAD = ["profile.concurrency=[1,4,16]", "evaluate.concurrency=[1,16]"]
 
 
 @pytest.fixture(autouse=True)

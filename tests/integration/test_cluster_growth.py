@@ -38,7 +38,7 @@ pytestmark = pytest.mark.faults
 
 # 16 prompts in 8 shards of 2: shards enough to go round three workers.
 SMALL = [*FAST, "train.epochs=2", "prepare.shard_size=2", "label.num_workers=null", "evaluate.per_step=false",
-         "evaluate.concurrency=[1,4]", "evaluate.num_workers=1"]
+         "profile.concurrency=[1,4]", "evaluate.concurrency=[1,4]", "evaluate.num_workers=1"]
 
 
 # A node's Python processes import this (its PYTHONPATH): when a label actor (its process title says which of its

@@ -15,7 +15,8 @@ def test_a_sampled_run_goes_end_to_end(tmp_path, ray_session, caplog):
 
     out = tmp_path / "t1"
     cfg = load_config([f"output_dir={out}", *FAST, "decode.temperature=1.0", "evaluate.samples=2",
-                       "evaluate.limit=3", "prepare.limit=12", "evaluate.concurrency=[1,4]"])
+                       "evaluate.limit=3", "prepare.limit=12", "profile.concurrency=[1,4]",
+                       "evaluate.concurrency=[1,4]"])
     with caplog.at_level(logging.INFO, logger="blockpilot"):
         got = run(cfg)
     assert any("=== tune === skipped: decode.temperature=1.0" in r.getMessage() for r in caplog.records)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, LOAD
 from pipeline.decoding.adaptive import adopted_gain
 from pipeline.io import layout
 from pipeline.runtime.config import load_config
@@ -27,7 +27,7 @@ from pipeline.data.validate import validate_dataset
 
 
 def cfg_for(out, *extra):
-    return load_config([f"output_dir={out}", *FAST, *extra])
+    return load_config([f"output_dir={out}", *FAST, *LOAD, *extra])
 
 
 class StageLines(logging.Handler):
@@ -745,7 +745,7 @@ def test_the_load_check_decides_the_schedule_evaluate_and_deploy_run(run_dir, tm
     # run (b = 3, 2026-12-05: two repeats some 20x apart). A margin of 1e6 (+1e8 %, log 13.8) needs two repeats
     # 2e8-fold apart: no stall on any machine does that, so this test is the plumbing's (dropped -> K = 0 -> evaluate,
     # policy and deploy follow), the rule's statistics are tests/unit/test_load_verdict.py's.
-    # evaluate at [1, 16] (FAST's): c = 4 is checked as a load where b*(c) changes (tune.load_loads=changes)
+    # evaluate at [1, 16] (LOAD's): c = 4 is checked as a load where b*(c) changes (tune.load_loads=changes)
     cfg = cfg_for(copy, "tune.load_loads=changes", "tune.load_min_gain=1000000.0", "tune.load_alpha=0.4")
     forced = run_check(cfg, TuneStage(cfg))
     assert sorted(int(c) for c in forced["loads"]) == speculating

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, LOAD
 from pipeline import ASSETS
 
 from .conftest import blockpilot_here
@@ -157,7 +157,7 @@ def test_shutdown_gives_the_model_back(engine):
 def vllm_run(tmp_path_factory, ray_session):
     """A run folder labelled by vLLM (label.engine=vllm), then trained: the CLI's entry point on the session's Ray."""
     out = tmp_path_factory.mktemp("vllm-run")
-    settings = [*FAST, "label.engine=vllm", "prepare.limit=24", "label.num_workers=1"]  # one vLLM start-up (~25 s)
+    settings = [*FAST, *LOAD, "label.engine=vllm", "prepare.limit=24", "label.num_workers=1"]  # one vLLM start-up (~25 s)
     for stage in ("prepare", "label", "train"):
         run = blockpilot_here(stage, f"output_dir={out}", *settings)
         assert run.rc == 0, run.tail()

@@ -1,18 +1,21 @@
 """benchmarks/gpu_check.sh's CPU dry run: every step of the script a lent GPU runs (engine exactness, replay
-agreement, the pipeline on the device, the labelling benchmark, the SDPA kernel probe, the 8B-shaped step costs)
-runs here at tiny sizes, and its summary reads what the steps wrote, so that the script cannot rot between GPU
-sessions (its summary block once did, unnoticed). The timings mean nothing on CPU; exactness does: in fp32 on the
-CPU our engine must equal dflash's own loop token for token and step for step, and plain greedy decoding too.
-The script's exit status is its checks' verdict: a failing check fails it (tested with a broken engine below)."""
+agreement, the pipeline on the device, the labelling benchmark, the SDPA kernel probe, the 8B-shaped step costs,
+vLLM's labelling costs) runs here at tiny sizes, and its summary reads what the steps wrote, so that the script
+cannot rot between GPU sessions (its summary block once did, unnoticed). The timings mean nothing on CPU; exactness
+does: in fp32 on the CPU our engine must equal dflash's own loop token for token and step for step, and plain greedy
+decoding too. On a CPU the steps share one process; on a GPU each runs in its own (``--isolate``): the script's exit
+status is its checks' verdict either way (tested with a broken engine below, in both modes)."""
 
 import json
 import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 # engine-bf16 runs on a GPU only (on CPU bf16 is emulated, and the step is engine-fp32's code at another dtype)
-STEPS = ["engine-fp32", "replay", "pipeline", "throughput", "sdpa-kernels", "vllm-labels", "costs-8b"]
+STEPS = ["engine-fp32", "replay", "pipeline", "throughput", "sdpa-kernels", "costs-8b", "vllm-labels"]
 
 
 def python() -> str:
@@ -26,11 +29,11 @@ def dry_run(out: Path, **env):
                           timeout=900)
 
 
-# Over 120 s in the suite (115 s alone on a quiet machine, 2026-12-06; 124 s before the CPU run skipped tune and
-# shrank the SDPA probe; 161-182 s in the suite before that): the script's seven CPU steps each start a fresh
-# interpreter (~4 s of imports each), its pipeline step runs five stages on the session's Ray (40 s: label 9, Ray
-# Train 14, evaluate 9), and vLLM starts once (19 s). What it proves is that every step of the GPU script runs and
-# writes what its summary reads, which a smaller run cannot show.
+# 99 s alone on a quiet machine, with its own local Ray (2026-12-06; 158 s the same hour when each step was a fresh
+# interpreter: seven of them at ~7 CPU-s of torch and transformers imports each, and an `import vllm` probe). Its
+# steps now share one process; the pipeline step (five stages on the session's Ray: label, Ray Train, evaluate) and
+# vLLM's start-up are most of what is left. What it proves is that every step of the GPU script runs and writes what
+# its summary reads, which a smaller run cannot show.
 def test_gpu_check_dry_run_on_cpu(tmp_path, ray_session):
     out = tmp_path / "gpu-check"
     # the pipeline step joins the session's Ray (RAY_ADDRESS) rather than starting a second one beside it
@@ -67,9 +70,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, ray_session):
     assert all(f"8B shapes batch-1 step b={b}: eager" in summary for b in costs["step_s"]), summary
 
 
-def test_a_failing_check_exits_non_zero(tmp_path):
-    """An engine whose per-step counts are off by one (injected through sitecustomize): gpu_check.py's engine check
-    counts the mismatches and exits 1, which gpu_check.sh records as that step FAILED and its own exit status."""
+@pytest.mark.parametrize("isolate", ["on", "off"])
+def test_a_failing_check_exits_non_zero(tmp_path, isolate):
+    """An engine whose per-step counts are off by one (injected through sitecustomize): the engine check counts the
+    mismatches, the step is recorded FAILED and the run exits 1, whether the step ran in a process of its own (a
+    GPU's default) or in the run's (a CPU's)."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
@@ -82,10 +87,12 @@ def test_a_failing_check_exits_non_zero(tmp_path):
         "e.Engine.decode = decode\n")
     out = tmp_path / "gpu-check"
     env = {"PYTHONPATH": f"{inject}{os.pathsep}{REPO}"}
-    check = "engine"
-    proc = subprocess.run([python(), str(REPO / "benchmarks" / "gpu_check.py"), check, "--device", "cpu",
-                           "--dtype", "float32", "--out", str(out)], cwd=REPO, env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([python(), str(REPO / "benchmarks" / "gpu_check.py"), "run", "--device", "cpu",
+                           "--steps", "engine-fp32", "--isolate", isolate, "--out", str(out)], cwd=REPO,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
-    result = json.loads((out / f"{check}-cpu-float32.json").read_text())
+    status = (out / "status.txt").read_text().split()
+    assert status[:2] == ["engine-fp32", "FAILED(1)"], status
+    result = json.loads((out / "engine-cpu-float32.json").read_text())
     assert not result["ok"] and result["steps_equal_dflash"] < result["cases"] and result["failures"], result
+    assert "engine check FAILED on cpu float32" in (out / "engine-fp32.log").read_text()

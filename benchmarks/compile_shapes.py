@@ -2,7 +2,7 @@
 side by side: graphs built, compile CPU seconds, and the compiled step's time afterwards, tokens compared.
 
 Each side runs in a fresh interpreter with a fresh inductor cache (dynamo's caches and counters are process-wide), on
-tests/integration/test_compiled.py's workload, imported from it (``workload``, ``decode_all``): a random 3-layer pair,
+tests/integration/test_compiled.py's workload, imported from it (``workload``, ``decode_all``): a random pair (2-layer target),
 10 prompts of 1-29 tokens decoded at batch 1 over b in (1, 2, 3, 5, 8) and once more as one continuous batch, 12 new
 tokens. Then, compiled and warm, the batch-1 decode of the same prompts at b = 8 is timed over --rounds rounds
 (median ms per step). Sides alternate per round.

@@ -29,18 +29,20 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 # The slowest modules first (by their summed `--durations=0` times in the whole suite on this 2-core machine, the
-# mean of two runs on 2026-12-05; a module's sum moves by up to 70 s with what the other worker runs beside it):
+# mean of two runs on 2026-12-05; test_gpu_check_cpu and test_compiled moved down on 2026-12-06, when the first's
+# steps came to share one process and the second lost a target layer; a module's sum moves by up to 70 s with what
+# the other worker runs beside it):
 # `-n 2 --dist loadfile --no-loadscope-reorder` hands whole modules to the workers in this order, each worker taking
 # the next when it finishes one, so that the last module to start is a short one (longest first keeps the two within
 # about a module of each other). xdist's default order (--loadscope-reorder, on unless turned off in pyproject.toml's
 # addopts) sorts modules by their number of tests instead: it started test_real_shapes (one test, 182 s) last, and
 # one worker then ran alone for its last three minutes.
-SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "test_gpu_check_cpu", "test_cluster_growth",
+SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "test_cluster_growth",
                  "test_object_storage", "test_store_faults", "test_real_shapes", "test_model_refusals",
-                 "test_sampled_run", "test_broken_device", "test_distribution_check", "test_simulate", "test_replay",
-                 "test_pool_failures", "test_compiled", "test_step_rule_sampling", "test_batched",
-                 "test_pool_timeouts", "test_device_task", "test_install", "test_shared_profile", "test_validate",
-                 "test_rayjob", "test_expected_acceptance"]
+                 "test_sampled_run", "test_gpu_check_cpu", "test_compiled", "test_broken_device",
+                 "test_distribution_check", "test_simulate", "test_replay", "test_pool_failures",
+                 "test_step_rule_sampling", "test_batched", "test_pool_timeouts", "test_device_task", "test_install",
+                 "test_shared_profile", "test_validate", "test_rayjob", "test_expected_acceptance"]
 
 
 def pytest_collection_modifyitems(items):

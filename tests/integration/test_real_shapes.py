@@ -32,9 +32,12 @@ SETTINGS = [
     *ONE_SOURCE, "model.tokenizer=bundled:tiny-target", "model.device=cpu", "progress=false",
     "prepare.limit=8", "prepare.shard_size=4", "decode.max_new_tokens=16", "label.k=2", "label.batch_size=4",
     "workers.cpus_per_worker=0.5", "label.num_workers=1", "evaluate.num_workers=1",  # one actor each (as FAST)
-    # one short round of the start-up cost profile, c = 1 and 4
-    "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
-    "profile.concurrency=[1,4]",
+    # one short round of the start-up cost profile, c = 1 and 4, over b = 1..18 (the candidates' largest; the trace's
+    # default b_max, B + B // 4 = 20, would add two more), 2 steps a point: every profiled step computes V = 151,936
+    # logits per token (~20 ms here), and at 4 steps over b = 1..20 the profile took 36 of label's 49 s (2 steps,
+    # b <= 18: 17 of 32 s; 2026-12-06, one run each)
+    "profile.context_lengths=[32]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
+    "profile.concurrency=[1,4]", "label.trace_block_size=18",
     # the paper's MLP and objective, one epoch, a narrow head (HIDDEN)
     "train.model=mlp", "train.objective=paper", "train.hidden=64", "train.n_layers=2", "train.epochs=1",
     "train.checkpoint_every=1", "train.batch_size=8", "train.use_gpu=false",

@@ -213,7 +213,7 @@ def run_check(check: str, device: str, dtype: str, out: Path, prompts: int = 32,
 # GPU: sized to finish in about 8 minutes.
 SIZES = {
     "cpu": dict(
-        replay=["--dtype", "float32", "--prompts", "1", "--max-new-tokens", "8"],
+        replay=dict(dtype="float32", prompts=1, max_new=8),
         run=["prepare.limit=2", "prepare.shard_size=8", "evaluate.limit=1", "decode.max_new_tokens=16", "label.k=1",
              "label.num_workers=1", "evaluate.num_workers=1", "workers.cpus_per_worker=0.5", "train.epochs=2",
              "train.checkpoint_every=2", "train.rules=[threshold:0.05]", "train.use_gpu=false",
@@ -224,7 +224,7 @@ SIZES = {
         vllm=["--smoke", "--prompts", "4", "--prompt-tokens", "16", "--max-new-tokens", "16"],
         sdpa=["--context", "128", "--rows", "8"]),
     "cuda": dict(
-        replay=["--dtype", "bfloat16", "--prompts", "32", "--max-new-tokens", "128"],
+        replay=dict(dtype="bfloat16", prompts=32, max_new=128),
         run=["prepare.limit=128", "prepare.shard_size=32", "evaluate.limit=16", "train.epochs=20"],
         bench=["--prompts", "24", "--max-new-tokens", "128"],
         costs=["--compile"],
@@ -235,14 +235,6 @@ SIZES = {
 
 def _sizes(device: str) -> dict:
     return SIZES["cpu" if device == "cpu" else "cuda"]
-
-
-def _replay_args(argv: List[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    return ap.parse_args(argv)
 
 
 def _pipeline(device: str, out: Path) -> int:
@@ -270,12 +262,12 @@ def steps(device: str, out: Path) -> List[Tuple[str, int, Callable[[], int]]]:
     """(name, time limit in s, what runs) in order. vLLM last: its in-process engine sets process-wide state (its
     own threads and matmul handlers) that no step after it should run beside."""
     z = _sizes(device)
-    r = _replay_args(z["replay"])
+    r = z["replay"]
     todo = [("engine-fp32", 120, lambda: run_check("engine", device, "float32", out))]
     if device != "cpu":  # bf16: the same code at another dtype, which a CPU without bf16 units only emulates
         todo.append(("engine-bf16", 120, lambda: run_check("engine", device, "bfloat16", out)))
     todo += [
-        ("replay", 180, lambda: run_check("replay", device, r.dtype, out, r.prompts, r.max_new_tokens)),
+        ("replay", 180, lambda: run_check("replay", device, r["dtype"], out, r["prompts"], r["max_new"])),
         ("pipeline", 300, lambda: _pipeline(device, out)),
         ("throughput", 120, lambda: _bench("label_throughput", ["--device", device, *z["bench"]])),
         ("sdpa-kernels", 60, lambda: _bench("sdpa_kernels", ["--device", device, *z["sdpa"]])),

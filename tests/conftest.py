@@ -79,8 +79,10 @@ FAST = [
     "train.checkpoint_every=2", "label.k=2",
     "tune.limit=4", "tune.rules=[threshold:0.05,ema:0.5:2,learned]",
     # One short round of the start-up cost profile: the default's 2 contexts x 3-5 rounds took 48-57 s of a 68 s
-    # 16-prompt label run (labelling itself ~2 s). No test here asserts on measured costs.
-    "profile.context_lengths=[32]", "profile.steps=4", "profile.min_repeats=1", "profile.max_repeats=1",
+    # 16-prompt label run (labelling itself ~2 s). No test here asserts on measured costs. Two steps a point: a label
+    # actor (16 prompts, alone on this machine, 2 runs a side) profiled in 2.05-2.17 s at 4 steps, 1.07-1.14 s at 2,
+    # its whole process 9.7-11.3 -> 8.8-8.9 CPU-s; the suite starts ~35 such actors.
+    "profile.context_lengths=[32]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
     # No load grid: the batch-1 profile alone, and evaluate at c = 1 alone. A label-only test has no reader of the
     # grid, which cost ~2 of each label actor's ~5 CPU-s of profile (c = 16 in lockstep); the tests of the passes at
     # load add LOAD below, or a grid of their own.

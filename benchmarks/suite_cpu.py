@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def sample(stop, interval: float):
     first, busy0, t0 = True, psutil.cpu_times(), time.monotonic()
     while True:
         for p in psutil.process_iter(["pid"]):
+            if p.pid == os.getpid():  # the sampler itself is not the measured command
+                continue
             try:
                 with p.oneshot():
                     t = p.cpu_times()
@@ -57,7 +60,8 @@ def sample(stop, interval: float):
                     if k is None or k in RECLASSIFY:
                         k2 = kind(" ".join(p.cmdline()))
                         if k2 != k:
-                            count[k] -= k is not None
+                            if k is not None:
+                                count[k] -= 1
                             count[k2] += 1
                             k = k2
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -47,8 +47,11 @@ SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "tes
 
 def pytest_collection_modifyitems(items):
     """Two layers: tests/unit (no Ray, seconds each) and tests/integration (real Ray, clusters, faults, CPU compiles,
-    and the statistical checks of sampling, each hundreds of decodes). The slowest modules first (SLOWEST_FIRST);
-    within a module, its own order."""
+    and the statistical checks of sampling, each hundreds of decodes). A test in tests/unit marked ``integration``
+    belongs to the second layer but sits beside the unit tests of its code: an exactness sweep over hundreds of
+    decodes (the unit layer keeps the same check per variant, on a few steps) or a test that needs a fresh
+    interpreter of its own (~4-8 s of imports each). The slowest modules first (SLOWEST_FIRST); within a module, its
+    own order."""
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.integration)
@@ -179,7 +182,9 @@ def real_labels(tmp_path_factory):
     out = tmp_path_factory.mktemp("real-labels")
     cfg = load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4",
                        "prepare.limit=8", "label.k=2", "profile.steps=2", "profile.min_repeats=1", *ONE_SOURCE,
-                       "profile.max_repeats=1", "profile.context_lengths=[16]"])
+                       "profile.max_repeats=1", "profile.context_lengths=[16]",
+                       # the batch-1 profile alone (no reader of a load grid here; FAST's comment)
+                       "profile.concurrency=[1]", "evaluate.concurrency=[1]"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny pair gains nothing from more; on a busy 2-core box more threads spin (10x)
     try:

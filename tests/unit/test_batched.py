@@ -64,6 +64,7 @@ def test_batched_equals_batch1_replay_on_random_pairs(variant):
     assert stats["stopped"] >= 2 and stats["max_new"] >= 1 and stats["accepting"] >= 2, stats
 
 
+@pytest.mark.integration  # the integration layer: a sweep of hundreds of decodes (tests/conftest.py)
 def test_batched_equals_batch1_replay_on_the_tiny_pair():
     """The shipped pair on real prompts (64-256 tokens, so real padding): with a newline stop token most prompts
     stop early, without it they run to max_new_tokens."""
@@ -178,7 +179,7 @@ def test_qwen3_vocabulary_through_label_rows_and_the_dataset_code(tmp_path):
             "model.tokenizer=bundled:tiny-target", "model.dtype=float32", "model.device=cpu",
             "decode.max_new_tokens=12", "prepare.shard_size=3", "prepare.limit=5", "label.k=1", *ONE_SOURCE,
             "profile.context_lengths=[8]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
-            "profile.max_block_size=5"]
+            "profile.max_block_size=5", "profile.concurrency=[1]", "evaluate.concurrency=[1]"]
     cfg = load_config(base + ["label.batch_size=4"])
     run_stage(PrepareStage(cfg), LocalExecutor())
     run_stage(LabelStage(cfg), LocalExecutor())
@@ -248,7 +249,8 @@ def test_label_stage_batched_rejects_a_failing_prompt_alone(tmp_path):
     def cfg_for(out, *extra):
         return load_config([f"output_dir={out}", "progress=false", "decode.max_new_tokens=16", "label.k=2",
                             "profile.context_lengths=[8]", "profile.steps=2", "profile.min_repeats=1",
-                            "profile.max_repeats=1", "profile.max_block_size=10", *ONE_SOURCE, *extra])
+                            "profile.max_repeats=1", "profile.max_block_size=10", "profile.concurrency=[1]",
+                            "evaluate.concurrency=[1]", *ONE_SOURCE, *extra])
 
     cfg = cfg_for(tmp_path / "batched", "label.batch_size=4", "label.max_reject_fraction=0.5")  # 1 of 5 rejected
     rows, _, _ = build_prompts(cfg.prepare.sources, load_tokenizer(cfg.model), 1024, limit=5)

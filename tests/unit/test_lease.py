@@ -86,6 +86,7 @@ def owner_line(pid: int) -> str:
     return f"squares run pid {pid} on host {socket.gethostname()}"
 
 
+@pytest.mark.integration  # the integration layer: a fresh interpreter of its own (tests/conftest.py)
 def test_a_second_run_refuses_naming_the_owner_and_leaves_its_temp_file(tmp_path, inputs):
     out = tmp_path / "squares"
     writer = Writer(inputs, out, tmp_path / "signals")
@@ -102,6 +103,7 @@ def test_a_second_run_refuses_naming_the_owner_and_leaves_its_temp_file(tmp_path
 
 
 @pytest.mark.faults
+@pytest.mark.integration  # the integration layer: a fresh interpreter of its own (tests/conftest.py)
 def test_a_dead_owners_lease_is_taken_over_and_the_log_says_so(tmp_path, inputs, caplog, fault_row):
     out = tmp_path / "squares"
     writer = Writer(inputs, out, tmp_path / "signals")
@@ -180,6 +182,7 @@ sys.stdin.read()  # until the test closes it or kills us
 """
 
 
+@pytest.mark.integration  # the integration layer: a fresh interpreter of its own (tests/conftest.py)
 def test_the_lease_on_s3_refuses_a_second_writer_and_is_taken_over_from_a_dead_one(s3_bucket, caplog):
     inputs = make_inputs(location(s3_bucket) / "inputs")
     out = f"{s3_bucket}/squares"

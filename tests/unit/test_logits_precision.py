@@ -22,7 +22,7 @@ from conftest import ONE_SOURCE
 
 COMMON = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
           "label.batch_size=1", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
-          "profile.context_lengths=[16]", *ONE_SOURCE]
+          "profile.context_lengths=[16]", "profile.concurrency=[1]", "evaluate.concurrency=[1]", *ONE_SOURCE]
 TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

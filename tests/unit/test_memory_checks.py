@@ -21,7 +21,7 @@ from stages.prepare import PrepareStage
 
 BASE = ["progress=false", "decode.max_new_tokens=16", "prepare.shard_size=4", "prepare.limit=8", "label.k=2",
         "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1", "profile.context_lengths=[16]",
-        "model.device=cpu", *ONE_SOURCE]
+        "profile.concurrency=[1]", "evaluate.concurrency=[1]", "model.device=cpu", *ONE_SOURCE]
 
 
 @pytest.fixture(scope="module")

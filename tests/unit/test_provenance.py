@@ -219,6 +219,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.integration  # the integration layer: a fresh interpreter of its own (tests/conftest.py)
 def test_a_hub_id_resolves_to_its_cached_commit_offline(tmp_path):
     """A fake huggingface_hub cache (snapshots/<commit>/, refs/main) and HF_HUB_OFFLINE=1, in a fresh process since
     huggingface_hub reads both at import: kind hub and the commit, the check reads the cached headers, the target

@@ -29,6 +29,7 @@ def _compare(engine, ids, candidates, max_new, stats):
     stats["distinct_labels"].add(ref.label_block_size)
 
 
+@pytest.mark.integration  # the integration layer: a sweep of hundreds of decodes (tests/conftest.py)
 def test_replay_equals_exhaustive_on_random_pairs():
     stats = {"prompts": 0, "accepting": 0, "max_new": 0, "stopped": 0, "distinct_labels": set()}
     for seed in range(4):
@@ -67,6 +68,7 @@ def test_replay_refuses_sampling():
         replay_label_prompt(Engine(target, draft), prompt(0), [3, 4, 5], 10, temperature=0.8)
 
 
+@pytest.mark.integration  # the integration layer: a sweep of hundreds of decodes (tests/conftest.py)
 def test_replay_equals_exhaustive_on_the_tiny_pair():
     """The shipped pair (fp32, CPU) on 2 held-out prompts of each kind of the default's label sources (10): half
     stop at a newline token (stop-token clipping), half run to max_new_tokens. (At 4 of each kind it took 18 s of the

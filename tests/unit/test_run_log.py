@@ -207,7 +207,7 @@ def test_a_source_is_one_line_shown_when_it_says_more_than_the_closing_count():
 PREPARE = ["prepare.limit=2", "prepare.sources=[{name: code, kind: bundled, path: code}, "
            "{name: docs, kind: bundled, path: docs}]"]
 PROFILE = ["profile.context_lengths=[16]", "profile.steps=2", "profile.min_repeats=1", "profile.max_repeats=1",
-           "profile.max_block_size=3"]
+           "profile.max_block_size=3", "profile.concurrency=[1]", "evaluate.concurrency=[1]"]
 
 
 def closing(lines, stage):

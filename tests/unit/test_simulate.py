@@ -77,6 +77,7 @@ def test_simulated_equals_decoded_on_random_pairs(variant):
     assert stats["cut:learned"] >= 4 and stats["cut:threshold"] >= 4, stats
 
 
+@pytest.mark.integration  # the integration layer: a sweep of hundreds of decodes (tests/conftest.py)
 def test_simulated_equals_decoded_on_the_tiny_pair():
     """The shipped pair at b_max = 2B = 16 on real prompts: with a newline stop token some stop early, a short
     budget cuts the others; the batched trace (what the label stage records) is simulated against the engine. One

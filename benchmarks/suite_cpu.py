@@ -4,6 +4,14 @@ pytest workers) and the machine's mean busy cores.
 
     python benchmarks/suite_cpu.py --out cpu.json -- .venv/bin/python -m pytest -q -n 2 --dist loadfile
 
+With ``--per-test`` (a pytest command), CPU seconds per test too: every process is charged to the xdist worker whose
+environment it inherited (Ray's daemons and actors, a test's subprocesses), and a worker's processes' CPU between
+two samples to the test that worker ran then (benchmarks/pytest_timeline.py says which, and when).
+
+``--reference`` times a fixed loop of additions (CPU seconds) every so many seconds beside the command: this
+machine's speed moves by up to 2x within an hour, whatever runs on it (the loop took 0.11-0.22 CPU-s during one
+suite run of 2026-12-06), so that a wall-clock or CPU-seconds figure can be read against the machine's speed then.
+
 A process is counted from its first sample (CPU it used before then is not, except for processes started after the
 sampler); a process that ends between two samples loses at most one interval of its CPU. Nothing else may run beside
 it: every process on the machine is counted. Results: benchmarks/results/suite-cpu-by-process.md.
@@ -12,12 +20,14 @@ it: every process on the machine is counted. Results: benchmarks/results/suite-c
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -44,19 +54,41 @@ def kind(cmdline: str) -> str:
     return (cmdline.split(" ")[0].rsplit("/", 1)[-1] or "?")[:30]
 
 
-def sample(stop, interval: float):
-    """{kind: CPU seconds}, {kind: processes}, busy cores (mean) until ``stop()``."""
-    seen, cpu, count = {}, collections.Counter(), collections.Counter()
-    first, busy0, t0 = True, psutil.cpu_times(), time.monotonic()
+def reference_loop() -> float:
+    """CPU seconds of 3M additions in Python (0.11-0.22 on this machine, 2026-12-06: its speed varies)."""
+    t0, x = time.process_time(), 0
+    for i in range(3_000_000):
+        x += i
+    return time.process_time() - t0
+
+
+def xdist_worker(p: psutil.Process) -> str:
+    """The PYTEST_XDIST_WORKER a process started with ("" if none, or unreadable)."""
+    try:
+        return p.environ().get("PYTEST_XDIST_WORKER", "")
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+        return ""
+
+
+def sample(stop, interval: float, per_test: bool = False, reference: float = 0.0):
+    """{kind: CPU seconds}, {kind: processes}, busy cores (mean), [(time, xdist worker, CPU seconds since the last
+    sample)] (per_test), [(time, reference loop's CPU seconds)] until ``stop()``."""
+    seen, cpu, count, by_worker, ref = {}, collections.Counter(), collections.Counter(), [], []
+    first, busy0, t0, last_ref = True, psutil.cpu_times(), time.monotonic(), -1e9
     while True:
+        if reference and time.monotonic() - last_ref >= reference:
+            last_ref = time.monotonic()
+            ref.append((time.time(), round(reference_loop(), 3)))
+        now, step = time.time(), collections.Counter()
         for p in psutil.process_iter(["pid"]):
             if p.pid == os.getpid():  # the sampler itself is not the measured command
                 continue
             try:
                 with p.oneshot():
+                    key = (p.pid, p.create_time())  # a pid the kernel reuses is another process
                     t = p.cpu_times()
                     used = t.user + t.system
-                    last, k = seen.get(p.pid, (used if first else 0.0, None))
+                    last, k, w = seen.get(key, (used if first else 0.0, None, None))
                     if k is None or k in RECLASSIFY:
                         k2 = kind(" ".join(p.cmdline()))
                         if k2 != k:
@@ -64,42 +96,105 @@ def sample(stop, interval: float):
                                 count[k] -= 1
                             count[k2] += 1
                             k = k2
+                    if w is None:
+                        w = xdist_worker(p) if per_test else ""
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             cpu[k] += used - last
-            seen[p.pid] = (used, k)
+            if not first and used > last:
+                step[w] += used - last
+            seen[key] = (used, k, w)
+        by_worker += [(now, w, c) for w, c in step.items() if w]
         first = False
         if stop():
             break
         time.sleep(interval)
     t1, busy1 = time.monotonic(), psutil.cpu_times()
     busy = sum(busy1) - busy1.idle - busy1.iowait - (sum(busy0) - busy0.idle - busy0.iowait)
-    return dict(cpu.most_common()), {k: v for k, v in count.items() if v > 0}, busy / (t1 - t0)
+    return dict(cpu.most_common()), {k: v for k, v in count.items() if v > 0}, busy / (t1 - t0), by_worker, ref
+
+
+def per_test_cpu(timeline: str, by_worker, interval: float) -> dict:
+    """nodeid -> {cpu_s, wall_s}: the worker's own CPU over the test (pytest_timeline's figures), plus its
+    processes' CPU in the samples taken while it ran (a sample up to one interval after its end too: it holds the
+    CPU used before it)."""
+    runs, started, tests = collections.defaultdict(list), {}, {}
+    with open(timeline) as f:
+        lines = [line.rstrip("\n").split("\t") for line in f]
+    xdist = any(x[1] != "main" for x in lines)  # under xdist the controller relays every test too: not its own
+    for t, worker, event, nodeid, own in lines:
+        if xdist and worker == "main":
+            continue
+        if event == "start":
+            started[(worker, nodeid)] = (float(t), float(own))
+        elif (worker, nodeid) in started:
+            t0, own0 = started.pop((worker, nodeid))
+            runs[worker].append((t0, float(t), nodeid))
+            tests[nodeid] = {"cpu_s": float(own) - own0, "wall_s": float(t) - t0}
+    starts = {w: [r[0] for r in sorted(v)] for w, v in runs.items()}
+    for w in runs:
+        runs[w].sort()
+    for t, w, c in by_worker:
+        if w not in runs:
+            continue
+        i = bisect.bisect_right(starts[w], t) - 1
+        if i >= 0 and t <= runs[w][i][1] + interval:
+            tests[runs[w][i][2]]["cpu_s"] += c
+    return {n: {k: round(v, 1) for k, v in d.items()} for n, d in tests.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file: CPU seconds and processes per kind, busy cores")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between samples (default 2)")
+    ap.add_argument("--per-test", action="store_true",
+                    help="a pytest command: CPU seconds per test too (adds -p pytest_timeline to it)")
+    ap.add_argument("--reference", type=float, default=0.0, metavar="S",
+                    help="time the reference loop every S seconds (0, the default: never)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the command to run and measure, after --")
     args = ap.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("no command to run (give it after --)")
-    proc = subprocess.Popen(cmd)
+    env = dict(os.environ)
+    timeline = None
+    if args.per_test:
+        if not any("pytest" in c for c in cmd):
+            ap.error("--per-test measures a pytest command")
+        timeline = tempfile.NamedTemporaryFile(prefix="timeline-", suffix=".tsv", delete=False).name
+        here = os.path.dirname(os.path.abspath(__file__))
+        env.update(BP_TIMELINE=timeline, PYTHONPATH=os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")])))
+        cmd = [*cmd, "-p", "pytest_timeline"]
+    proc = subprocess.Popen(cmd, env=env)
     t0 = time.monotonic()
-    cpu, count, busy = sample(lambda: proc.poll() is not None, args.interval)
+    cpu, count, busy, by_worker, ref = sample(lambda: proc.poll() is not None, args.interval, args.per_test,
+                                              args.reference)
     wall = time.monotonic() - t0
+    result = {"command": cmd, "rc": proc.returncode, "wall_s": round(wall, 1), "busy_cores": round(busy, 3),
+              "cpu_s": {k: round(v, 1) for k, v in cpu.items()}, "processes": count}
+    if ref:
+        result["reference_s"] = ref
+    if timeline:
+        result["tests"] = per_test_cpu(timeline, by_worker, args.interval)
+        os.unlink(timeline)
     with open(args.out, "w") as f:
-        json.dump({"command": cmd, "rc": proc.returncode, "wall_s": round(wall, 1), "busy_cores": round(busy, 3),
-                   "cpu_s": {k: round(v, 1) for k, v in cpu.items()}, "processes": count}, f, indent=1)
+        json.dump(result, f, indent=1)
     total = sum(cpu.values())
     print(f"\n{wall:.0f} s wall, {busy:.2f} busy cores on average, {total:.0f} CPU-s counted "
           f"(exit {proc.returncode})")
+    if ref:
+        r = sorted(x for _, x in ref)
+        print(f"reference loop: {len(r)} times, {r[0]:.3f} / {r[len(r) // 2]:.3f} / {r[-1]:.3f} CPU-s (min / median / "
+              "max; lower is a faster machine)")
     print(f"{'CPU-s':>8} {'share':>6} {'procs':>6}  kind")
     for k, v in cpu.items():
         if v >= 0.005 * total:
             print(f"{v:8.1f} {v / total:6.1%} {count.get(k, 0):6d}  {k}")
+    if timeline:
+        tests = sorted(result["tests"].items(), key=lambda kv: -kv[1]["cpu_s"])
+        print(f"\n{'CPU-s':>8} {'wall s':>7}  test (the {min(25, len(tests))} costliest of {len(tests)})")
+        for nodeid, d in tests[:25]:
+            print(f"{d['cpu_s']:8.1f} {d['wall_s']:7.1f}  {nodeid}")
     return proc.returncode
 
 

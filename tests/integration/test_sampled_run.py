@@ -14,10 +14,10 @@ def test_a_sampled_run_goes_end_to_end(tmp_path, ray_session, caplog):
     from stages.run import run
 
     out = tmp_path / "t1"
-    # 8 label prompts (6 train / 2 val rows) and 2 evaluation prompts per set: at T = 1 every candidate is decoded
-    # (no replay) and evaluate decodes each method twice a prompt, so these two sizes are most of the test's CPU
-    # (12 and 3: label 33 and evaluate 36 of its 153 CPU-s, 2026-12-06). 4 prompts x 2 draws still give every
-    # method's distribution check a verdict (asserted below).
+    # 8 label prompts (a quarter of them val, by the hash split) and 2 evaluation prompts per set: at T = 1 every
+    # candidate is decoded (no replay) and evaluate decodes each method twice a prompt, so these two sizes are most of
+    # the test's CPU (12 and 3: label 33 and evaluate 36 of its 153 CPU-s, 2026-12-06). 4 prompts x 2 draws still
+    # give every method's distribution check a verdict (asserted below).
     cfg = load_config([f"output_dir={out}", *FAST, "decode.temperature=1.0", "evaluate.samples=2",
                        "evaluate.limit=2", "prepare.limit=8", "profile.concurrency=[1,4]",
                        "evaluate.concurrency=[1,4]"])

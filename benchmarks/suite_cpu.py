@@ -6,7 +6,9 @@ pytest workers) and the machine's mean busy cores.
 
 With ``--per-test`` (a pytest command), CPU seconds per test too: every process is charged to the xdist worker whose
 environment it inherited (Ray's daemons and actors, a test's subprocesses), and a worker's processes' CPU between
-two samples to the test that worker ran then (benchmarks/pytest_timeline.py says which, and when).
+two samples to the test that worker ran then (benchmarks/pytest_timeline.py says which, and when). A session-wide
+process (the session's Ray daemons) is charged to whichever test its worker runs: a test's figure includes that
+background, a few CPU-s a minute.
 
 ``--reference`` times a fixed loop of additions (CPU seconds) every so many seconds beside the command: this
 machine's speed moves by up to 2x within an hour, whatever runs on it (the loop took 0.11-0.22 CPU-s during one

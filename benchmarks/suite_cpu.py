@@ -133,9 +133,9 @@ def per_test_cpu(timeline: str, by_worker, interval: float) -> dict:
             t0, own0 = started.pop((worker, nodeid))
             runs[worker].append((t0, float(t), nodeid))
             tests[nodeid] = {"cpu_s": float(own) - own0, "wall_s": float(t) - t0}
-    starts = {w: [r[0] for r in sorted(v)] for w, v in runs.items()}
     for w in runs:
         runs[w].sort()
+    starts = {w: [r[0] for r in v] for w, v in runs.items()}
     for t, w, c in by_worker:
         if w not in runs:
             continue

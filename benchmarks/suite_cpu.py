@@ -10,9 +10,9 @@ two samples to the test that worker ran then (benchmarks/pytest_timeline.py says
 process (the session's Ray daemons) is charged to whichever test its worker runs: a test's figure includes that
 background, a few CPU-s a minute.
 
-``--reference`` times a fixed loop of additions (CPU seconds) every so many seconds beside the command: this
-machine's speed moves by up to 2x within an hour, whatever runs on it (the loop took 0.11-0.22 CPU-s during one
-suite run of 2026-12-06), so that a wall-clock or CPU-seconds figure can be read against the machine's speed then.
+``--reference`` times a fixed loop of additions (CPU seconds; benchmarks/machine_speed.py) every so many seconds
+beside the command: this machine's speed moves by up to ~2.7x between days and within one, whatever runs on it, so
+that a wall-clock or CPU-seconds figure can be read against the machine's speed then.
 
 A process is counted from its first sample (CPU it used before then is not, except for processes started after the
 sampler); a process that ends between two samples loses at most one interval of its CPU. Nothing else may run beside
@@ -34,6 +34,8 @@ import time
 
 import psutil
 
+from machine_speed import reference_loop  # this folder is sys.path[0] when run as a script
+
 # (pattern on the command line, kind); the first match wins. Ray renames a worker's process to its actor's class
 # (``ray::StageActor[label]``, ``ray::TrainController``) once the actor starts, so a worker is classified again
 # while it is still idle.
@@ -54,14 +56,6 @@ def kind(cmdline: str) -> str:
         if m:
             return name.format(*m.groups())
     return (cmdline.split(" ")[0].rsplit("/", 1)[-1] or "?")[:30]
-
-
-def reference_loop() -> float:
-    """CPU seconds of 3M additions in Python (0.11-0.22 on this machine, 2026-12-06: its speed varies)."""
-    t0, x = time.process_time(), 0
-    for i in range(3_000_000):
-        x += i
-    return time.process_time() - t0
 
 
 def xdist_worker(p: psutil.Process) -> str:

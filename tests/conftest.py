@@ -58,6 +58,37 @@ def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))  # stable: the rest as collected
 
+
+# ---- the machine's speed beside the durations ------------------------------------------------------------------------
+# This machine's speed moves by up to ~2.7x between days (benchmarks/machine_speed.py), and the suite's time with it:
+# the session (xdist's controller, or a run without xdist) times the same fixed loop at its start and at its end and
+# prints both after the durations, so that a suite time is never read without the machine's speed then.
+_SPEED: dict = {}
+
+
+def _machine_speed() -> float:
+    """The median of three runs of benchmarks/machine_speed.py's loop (~0.1 s each): CPU seconds, lower is faster."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("machine_speed", REPO / "benchmarks" / "machine_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return statistics.median(module.reference_loop() for _ in range(3))
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _SPEED["start"] = _machine_speed()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "start" in _SPEED:
+        terminalreporter.write_line(
+            f"machine speed (benchmarks/machine_speed.py, CPU-s of a fixed loop, lower is faster): "
+            f"{_SPEED['start']:.3f} at the start, {_machine_speed():.3f} at the end (the suite's time at known speeds: "
+            f"that file's docstring)")
+
 # One label source and two evaluation sets, the code kind's (the pre-#24 default): the small runs of the tests keep
 # readable counts (16 prompts, 4 shards, 8 evaluation rows) whatever the default's mix of kinds; the mix itself is
 # covered by tests/unit/test_prepare.py and the default run.

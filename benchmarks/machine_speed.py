@@ -1,13 +1,13 @@
 """The machine's speed now, as one number: CPU seconds of a fixed loop of 3M additions in Python (lower is faster).
 
-This 2-core machine's speed moves by up to ~2.7x between days and within one (the loop took 0.11-0.22 CPU-s during
+This 2-core machine's speed moves by up to about 3x between days and within one (the loop took 0.11-0.22 CPU-s during
 one suite run of 2026-12-06 and 0.072-0.122 during one of 2026-12-07), and the test suite's wall clock follows it.
-The same 698 tests from fresh clones: 857 s at a median of 0.078 (8dfd2d6, 2026-12-07), 1,985 s and 2,093 s at about
-0.2 (93d1f5a and 756c455, 2026-12-06 from 23:00; converted from the loop of 3M additions at module level timed beside
-those runs, median 0.49, which takes 2.1-2.6x this one's time: 0.175-0.215 against 0.083, 2026-12-07). A suite time or a CPU-seconds figure from this machine
-is read against this number, taken beside it: ``benchmarks/suite_cpu.py --reference`` times it every so many
-seconds during a run, and the test session prints it at its start and end (tests/conftest.py). Results:
-benchmarks/results/suite-cpu-by-process.md.
+The same 698 tests from fresh clones: 857 s and 887 s at medians of 0.078 and 0.081 (8dfd2d6 and ab19540,
+2026-12-07), 1,985 s and 2,093 s at about 0.2 (93d1f5a and 756c455, 2026-12-06 from 23:00; converted from a loop of
+the same additions at module level timed beside those runs, median 0.49, which takes 2.1-2.6x this one's time:
+0.175-0.215 against 0.083 on 2026-12-07). A suite time or a CPU-seconds figure from this machine is read against this
+number, taken beside it: ``benchmarks/suite_cpu.py --reference`` times it every so many seconds during a run, and the
+test session prints it at its start and end (tests/conftest.py). Results: benchmarks/results/suite-cpu-by-process.md.
 
     python benchmarks/machine_speed.py            # the loop, 5 times: min / median / max
 """
@@ -28,7 +28,8 @@ def reference_loop() -> float:
 
 
 def main(argv=None) -> int:
-    n = int((argv if argv is not None else sys.argv[1:] or ["5"])[0])
+    args = sys.argv[1:] if argv is None else argv
+    n = int(args[0]) if args else 5
     times = sorted(reference_loop() for _ in range(n))
     print(f"reference loop (3M additions): {times[0]:.3f} / {statistics.median(times):.3f} / {times[-1]:.3f} CPU-s "
           f"(min / median / max of {n}; lower is a faster machine)")

@@ -11,7 +11,7 @@ process (the session's Ray daemons) is charged to whichever test its worker runs
 background, a few CPU-s a minute.
 
 ``--reference`` times a fixed loop of additions (CPU seconds; benchmarks/machine_speed.py) every so many seconds
-beside the command: this machine's speed moves by up to ~2.7x between days and within one, whatever runs on it, so
+beside the command: this machine's speed moves by up to about 3x between days and within one, whatever runs on it, so
 that a wall-clock or CPU-seconds figure can be read against the machine's speed then.
 
 A process is counted from its first sample (CPU it used before then is not, except for processes started after the

@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(items):
 
 
 # ---- the machine's speed beside the durations ------------------------------------------------------------------------
-# This machine's speed moves by up to ~2.7x between days (benchmarks/machine_speed.py), and the suite's time with it:
+# This machine's speed moves by up to about 3x between days (benchmarks/machine_speed.py), and the suite's time with it:
 # the session (xdist's controller, or a run without xdist) times the same fixed loop at its start and at its end and
 # prints both after the durations, so that a suite time is never read without the machine's speed then.
 _SPEED: dict = {}
@@ -88,6 +88,7 @@ def pytest_terminal_summary(terminalreporter):
             f"machine speed (benchmarks/machine_speed.py, CPU-s of a fixed loop, lower is faster): "
             f"{_SPEED['start']:.3f} at the start, {_machine_speed():.3f} at the end (the suite's time at known speeds: "
             f"that file's docstring)")
+
 
 # One label source and two evaluation sets, the code kind's (the pre-#24 default): the small runs of the tests keep
 # readable counts (16 prompts, 4 shards, 8 evaluation rows) whatever the default's mix of kinds; the mix itself is

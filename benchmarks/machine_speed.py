@@ -27,12 +27,17 @@ def reference_loop() -> float:
     return time.process_time() - t0
 
 
+def summary(times) -> str:
+    """Several timings of the loop as one line: min / median / max."""
+    times = sorted(times)
+    return (f"{times[0]:.3f} / {statistics.median(times):.3f} / {times[-1]:.3f} CPU-s (min / median / max of "
+            f"{len(times)}; lower is a faster machine)")
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     n = int(args[0]) if args else 5
-    times = sorted(reference_loop() for _ in range(n))
-    print(f"reference loop (3M additions): {times[0]:.3f} / {statistics.median(times):.3f} / {times[-1]:.3f} CPU-s "
-          f"(min / median / max of {n}; lower is a faster machine)")
+    print(f"reference loop (3M additions): {summary(reference_loop() for _ in range(n))}")
     return 0
 
 

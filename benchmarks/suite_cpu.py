@@ -34,7 +34,7 @@ import time
 
 import psutil
 
-from machine_speed import reference_loop  # this folder is sys.path[0] when run as a script
+from machine_speed import reference_loop, summary  # this folder is sys.path[0] when run as a script
 
 # (pattern on the command line, kind); the first match wins. Ray renames a worker's process to its actor's class
 # (``ray::StageActor[label]``, ``ray::TrainController``) once the actor starts, so a worker is classified again
@@ -179,9 +179,7 @@ def main(argv=None) -> int:
     print(f"\n{wall:.0f} s wall, {busy:.2f} busy cores on average, {total:.0f} CPU-s counted "
           f"(exit {proc.returncode})")
     if ref:
-        r = sorted(x for _, x in ref)
-        print(f"reference loop: {len(r)} times, {r[0]:.3f} / {r[len(r) // 2]:.3f} / {r[-1]:.3f} CPU-s (min / median / "
-              "max; lower is a faster machine)")
+        print(f"reference loop: {summary(x for _, x in ref)}")
     print(f"{'CPU-s':>8} {'share':>6} {'procs':>6}  kind")
     for k, v in cpu.items():
         if v >= 0.005 * total:

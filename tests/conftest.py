@@ -67,14 +67,17 @@ _SPEED: dict = {}
 
 
 def _machine_speed() -> float:
-    """The median of three runs of benchmarks/machine_speed.py's loop (~0.1 s each): CPU seconds, lower is faster."""
-    import importlib.util
+    """The median of three runs of benchmarks/machine_speed.py's loop (~0.1 s each): CPU seconds, lower is faster.
+    Loaded from its file (benchmarks/ is not a package on sys.path), once a session."""
     import statistics
 
-    spec = importlib.util.spec_from_file_location("machine_speed", REPO / "benchmarks" / "machine_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return statistics.median(module.reference_loop() for _ in range(3))
+    if "module" not in _SPEED:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("machine_speed", REPO / "benchmarks" / "machine_speed.py")
+        _SPEED["module"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_SPEED["module"])
+    return statistics.median(_SPEED["module"].reference_loop() for _ in range(3))
 
 
 def pytest_sessionstart(session):

@@ -316,3 +316,67 @@ def _worker_output_since(before: Dict[Path, int]) -> str:
             f.seek(before.get(path, 0))
             text.append(f.read().decode(errors="replace"))
     return "".join(text)
+
+
+# ---- a hook injected into a run's processes ------------------------------------------------------------------------
+# A process's Python imports this as its sitecustomize (on its PYTHONPATH: a node's, or a run's and its local Ray's):
+# when a label actor (its process title says which of its methods runs) calls MODULE.FUNC, it notes its pid in the
+# file $BP_PID_FILE and then ACTION. No process without that PYTHONPATH is touched, and nothing polls for the moment:
+# the call itself is the event.
+HOOK = """
+import importlib.abc, importlib.util, os, signal, sys, time
+
+MODULE, FUNC, TITLE = {module!r}, {func!r}, {title!r}
+
+
+def act():
+{action}
+
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = getattr(module, FUNC)
+
+            def hooked(*args, **kwargs):
+                with open("/proc/self/cmdline", "rb") as f:
+                    if f.read().startswith(TITLE.encode()):
+                        with open(os.environ["BP_PID_FILE"], "a") as log:
+                            log.write(f"{{os.getpid()}}\\n")
+                        act()
+                return real(*args, **kwargs)
+
+            setattr(module, FUNC, hooked)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Hook())
+"""
+# A label actor's prompts wait for the file $BP_RELEASE (each notes its pid first): its first prompt is held there
+# until the test writes it (test_cluster_growth, test_faults).
+HOLD_FIRST_PROMPT = dict(module="pipeline.labelling.labels", func="logits_to_numpy",
+                         title="ray::StageActor[label].process",
+                         action="    while not os.path.exists(os.environ['BP_RELEASE']):\n        time.sleep(0.2)")
+
+
+def inject_hook(folder, hook) -> dict:
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HOOK.format(**hook))
+    return {"PYTHONPATH": str(folder), "BP_PID_FILE": str(folder / "pids.txt"), "BP_RELEASE": str(folder / "go")}
+
+
+def hook_pids(env) -> list:
+    try:
+        with open(env["BP_PID_FILE"]) as f:
+            return f.read().split()
+    except FileNotFoundError:
+        return []

@@ -31,7 +31,7 @@ import pytest
 
 from conftest import FAST
 
-from .conftest import validate
+from .conftest import HOLD_FIRST_PROMPT, hook_pids, inject_hook, validate
 from .ray_cluster import Cluster, job_ok as _ok
 
 pytestmark = pytest.mark.faults
@@ -41,70 +41,9 @@ SMALL = [*FAST, "train.epochs=2", "prepare.shard_size=2", "label.num_workers=nul
          "profile.concurrency=[1,4]", "evaluate.concurrency=[1,4]", "evaluate.num_workers=1"]
 
 
-# A node's Python processes import this (its PYTHONPATH): when a label actor (its process title says which of its
-# methods runs) calls MODULE.FUNC, it notes its pid in the file $BP_PID_FILE and then ACTION. No process outside that
-# node is touched, and nothing polls for the moment: the call itself is the event.
-HOOK = """
-import importlib.abc, importlib.util, os, signal, sys, time
-
-MODULE, FUNC, TITLE = {module!r}, {func!r}, {title!r}
-
-
-def act():
-{action}
-
-
-class Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            real = getattr(module, FUNC)
-
-            def hooked(*args, **kwargs):
-                with open("/proc/self/cmdline", "rb") as f:
-                    if f.read().startswith(TITLE.encode()):
-                        with open(os.environ["BP_PID_FILE"], "a") as log:
-                            log.write(f"{{os.getpid()}}\\n")
-                        act()
-                return real(*args, **kwargs)
-
-            setattr(module, FUNC, hooked)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, Hook())
-"""
 # B: its label actors' model loads die by SIGKILL, as ones the kernel's OOM killer ends.
 KILL_LABEL_LOADS = dict(module="pipeline.decoding.models", func="load_models", title="ray::StageActor[label].setup",
                         action="    os.kill(os.getpid(), signal.SIGKILL)")
-# A: its label actor's first prompt waits, once, for the file $BP_RELEASE.
-HOLD_FIRST_PROMPT = dict(module="pipeline.labelling.labels", func="logits_to_numpy",
-                         title="ray::StageActor[label].process",
-                         action="    while not os.path.exists(os.environ['BP_RELEASE']):\n        time.sleep(0.2)")
-
-
-def _inject(folder, hook) -> dict:
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(HOOK.format(**hook))
-    return {"PYTHONPATH": str(folder), "BP_PID_FILE": str(folder / "pids.txt"), "BP_RELEASE": str(folder / "go")}
-
-
-def _pids(env) -> list:
-    try:
-        with open(env["BP_PID_FILE"]) as f:
-            return f.read().split()
-    except FileNotFoundError:
-        return []
-
-
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(head_gpus=0, head_cpus=2)
@@ -119,15 +58,15 @@ def cluster():
 def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cluster, tmp_path, fault_row):
     out = tmp_path / "run"
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")
-    held, killing = _inject(tmp_path / "on-a", HOLD_FIRST_PROMPT), _inject(tmp_path / "on-b", KILL_LABEL_LOADS)
+    held, killing = inject_hook(tmp_path / "on-a", HOLD_FIRST_PROMPT), inject_hook(tmp_path / "on-b", KILL_LABEL_LOADS)
     a = cluster.add_node("gpu-a", gpus=1, cpus=2, env=held)
     job_id = f"growth-{uuid.uuid4().hex[:8]}"
     job = cluster.submit("jobs/label.py", f"output_dir={out}", *SMALL, wait=False, submission_id=job_id)
     try:
         found = job.wait_for(lambda: re.search(rf"^\[label\] worker {a.node_id[:12]}\S* pid=(\d+)", job.output, re.M),
                              600, "A's worker to set up")
-        job.wait_for(lambda: _pids(held), 600, "A's actor held on its first prompt", poll=0.5)
-        assert _pids(held) == [found.group(1)], (_pids(held), found.group(0))
+        job.wait_for(lambda: hook_pids(held), 600, "A's actor held on its first prompt", poll=0.5)
+        assert hook_pids(held) == [found.group(1)], (hook_pids(held), found.group(0))
         b = cluster.add_node("gpu-b", gpus=1, cpus=2, env=killing)
         job.wait_for(lambda: re.search(rf"worker {b.node_id[:12]}\S* on node {b.node_id[:12]} could not set up",
                                        job.output), 600, "B's worker to fail its setup", poll=0.5)
@@ -141,7 +80,7 @@ def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cl
             job.kill()
             cluster.stop_job(job_id)
     assert rc == 0, job.tail(80)
-    assert _pids(killing), "B's model load was never seen"
+    assert hook_pids(killing), "B's model load was never seen"
     assert re.search(r"a GPU joined the cluster", job.output), job.tail(80)
     for line in job.lines:
         if "could not set up" in line or "joined" in line:

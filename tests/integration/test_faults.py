@@ -27,8 +27,8 @@ import pytest
 from conftest import FAST
 from pipeline.io.shards import is_complete, list_shards
 
-from .conftest import (PYTHON, REPO, Run, base_env, blockpilot_here, marked_pids, ray_sessions, reap,
-                       short_tmpdir, validate)
+from .conftest import (HOLD_FIRST_PROMPT, PYTHON, REPO, Run, base_env, blockpilot_here, hook_pids, inject_hook,
+                       marked_pids, ray_sessions, reap, short_tmpdir, validate)
 
 # 16 prompts in 4 shards of 4, 32 new tokens, 0.5 CPU per actor, each run its own local Ray.
 SMALL = [*FAST, "prepare.shard_size=4", "ray.address=local"]
@@ -139,29 +139,28 @@ def test_label_driver_killed_mid_run_then_rerun(prepared, reference, tmp_path, f
 def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path, fault_row):
     out = fresh(prepared, tmp_path)
     labels = out / "labels"
+    # Each label actor's first prompt is held (a sitecustomize hook on the run's PYTHONPATH, which its local Ray's
+    # workers inherit) until the test writes a file: the victim is killed while it holds its shard, whatever the
+    # machine's speed. (An earlier version watched the shard's access time for the victim's read and lost the race on
+    # a fast machine: the victim wrote its whole shard between that read and the kill.)
+    held = inject_hook(tmp_path / "hold", HOLD_FIRST_PROMPT)
     run = Run([PYTHON, "-m", "stages.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=2",
-               "progress=true"])
+               "progress=true"], held)
     worker_line = re.compile(r"^\[label\] worker (\S+) pid=(\d+) ")
 
     def workers():
         found = [m.groups() for m in map(worker_line.match, list(run.lines)) if m]
         return found if len(found) == 2 else None
 
-    # The victim (the first worker line: the first actor) is given the first prompt shard. Its read of that shard
-    # is the event that its shard is in flight: the shard's access time is reset once the driver's own reads (the
-    # plan, logged by the "to do" line, before any actor exists) are over, so the next read, the actor's, sets it
-    # again (relatime updates an access time that is not after the modification time).
-    first_input = out / "prompts" / "part-00000.parquet"
+    # The victim (the first worker line: the first actor) is given the first prompt shard; asserted below by the
+    # pool's line for part-00000's failed attempt.
     try:
-        run.wait_for(lambda: any(" shards (" in x and x.endswith(" to do") for x in list(run.lines)), 240,
-                     "the plan's 'to do' line")
-        mtime = first_input.stat().st_mtime_ns
-        os.utime(first_input, ns=(mtime - 10 ** 9, mtime))
         (victim, pid), _ = run.wait_for(workers, 240, "the two worker lines")
-        run.wait_for(lambda: first_input.stat().st_atime_ns > mtime, 240, "the victim to read its first shard")
+        run.wait_for(lambda: pid in hook_pids(held), 240, "the victim held on its first prompt")
         shards_at_kill = len(list_shards(labels))
         victims_done = (labels / "part-00000.parquet").exists()
         os.kill(int(pid), signal.SIGKILL)
+        open(held["BP_RELEASE"], "w").close()  # the other actor, and the victim once Ray has restarted it, go on
         rc = run.wait(300)
     finally:
         run.kill() if run.proc.poll() is None else run.reap()

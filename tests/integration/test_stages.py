@@ -569,13 +569,16 @@ def test_report_has_tables_and_valid_pngs(run_dir):
     fixed = sorted({m for m in res["method"].to_list() if m.startswith("b=")})
     cols = per_set_columns(res, ["AR", *fixed], modelled=True)
     speedup = {m: np.mean([c[0].mean() / c[1 + i].mean() for c in cols.values()]) for i, m in enumerate(fixed)}
-    fastest = max(speedup, key=speedup.get)
+    # Speedups a float-summation order apart are one value (CI saw b=6 and b=7 differ in the last bit): the
+    # smallest b of them, as headline.TIE_RTOL says.
+    top = max(speedup.values())
+    fastest = min((m for m in speedup if speedup[m] >= top * (1 - 1e-9)), key=lambda m: int(m[2:]))
     (hind,) = [r for r in h["rows"] if r["row"].startswith("hindsight b=")]
     assert hind["method"] == fastest and h["modelled"]["hindsight_b"] == int(fastest[2:]), (hind, speedup)
     assert hind["modelled"] == pytest.approx(speedup[fastest], rel=1e-4)
     assert hind["gain"] == pytest.approx(speedup[fastest] / speedup[f"b={h['modelled']['baseline_b']}"] - 1,
                                          rel=1e-4, abs=1e-6)
-    assert all(hind["modelled"] >= rows[m]["modelled"] for m in fixed if m in rows)
+    assert all(hind["modelled"] >= rows[m]["modelled"] * (1 - 1e-9) for m in fixed if m in rows)
     assert "| adaptive | " in text
 
 

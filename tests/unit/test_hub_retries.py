@@ -6,6 +6,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import huggingface_hub.constants
 import pytest
 
 from pipeline.decoding import models
@@ -51,7 +52,7 @@ class Hub:
 def hub(monkeypatch, request):
     h = Hub(busy=request.param)
     monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at its import
     monkeypatch.setattr(models, "HUB_RETRY_BASE_S", 0.01)
     monkeypatch.setattr(models, "cached_commit", lambda repo, revision: None)  # no local hub cache to fall back on
     models.hub_commit.cache_clear()
@@ -90,7 +91,17 @@ def test_a_hub_name_that_does_not_resolve_is_not_retried_and_a_moment_of_dns_is(
     import socket
 
     monkeypatch.setenv("HF_ENDPOINT", "http://hub.blockpilot.invalid")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at its import
+    # The resolver's answer for `.invalid` as a machine with DNS gives it (EAI_NONAME), whatever this machine's DNS
+    # does: one without a reachable server answers EAI_AGAIN, the retried case below, and the test would wait.
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if str(host).endswith(".invalid"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
     monkeypatch.setattr(models, "cached_commit", lambda repo, revision: None)
     models.hub_commit.cache_clear()
     caplog.set_level("WARNING", logger="blockpilot")

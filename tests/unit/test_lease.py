@@ -23,7 +23,8 @@ import pytest
 from pipeline.executor.driver import run_stage
 from pipeline.executor.lease import EXPIRY_SECONDS, Lease, LeaseHeld
 from pipeline.executor.local import LocalExecutor
-from pipeline.io.layout import LEASE
+from pipeline.io.exclusive import exclusive_file
+from pipeline.io.layout import LEASE, LEASE_LOCK
 from pipeline.io.shards import is_complete, list_shards
 from pipeline.io.storage import location
 
@@ -128,9 +129,16 @@ def foreign_lease(folder, heartbeat_age: float) -> None:
     """The lease of a run on another host (which cannot exist in a test), last heard of ``heartbeat_age`` ago."""
     now = time.time()
     location(folder).mkdir(parents=True, exist_ok=True)
-    (location(folder) / LEASE).write_text(json.dumps({
+    data = json.dumps({
         "host": "other-host.example", "pid": 4242, "process_start": "1", "stage": "squares", "token": "t" * 32,
-        "started": now - heartbeat_age - 60, "heartbeat": now - heartbeat_age, "folder": str(folder)}))
+        "started": now - heartbeat_age - 60, "heartbeat": now - heartbeat_age, "folder": str(folder)}).encode()
+    # Written as another run writes it: created, or swapped in under the lease lock. A plain write beside a live
+    # heartbeat could land between its read and its replace and be overwritten (the heartbeat then never notices).
+    store = exclusive_file(location(folder) / LEASE, LEASE_LOCK)
+    while True:
+        held = store.read()
+        if (store.create(data) if held is None else store.replace(data, held[1])) is not None:
+            return
 
 
 def test_another_hosts_lease_holds_while_it_beats_and_is_taken_over_once_expired(tmp_path, inputs, caplog):

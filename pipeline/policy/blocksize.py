@@ -343,15 +343,19 @@ def speed_gain(tau: np.ndarray, costs: np.ndarray, chosen: np.ndarray, baseline:
 
 def calibrate_margin(gain_pred: np.ndarray, best: np.ndarray, tau: np.ndarray, costs: np.ndarray,
                      fallback_index: int, reps: int = 1000, seed: int = 0) -> Dict[str, Any]:
-    """The margin on predicted gain that maximises the modelled gain over always-fallback on held-out rows: every
-    distinct predicted gain is a threshold (switch where the prediction is strictly above it). None when no
-    threshold gains, or when the best one's gain is not above zero at its lower 5 % bootstrap bound (the policy then
-    always answers the fallback)."""
+    """The margin on predicted gain that maximises the modelled gain over always-fallback on held-out rows: one
+    threshold between each two neighbouring distinct predicted gains, and one below them all (switch where the
+    prediction is strictly above it). None when no threshold gains, or when the best one's gain is not above zero at
+    its lower 5 % bootstrap bound (the policy then always answers the fallback)."""
     fb = np.full(len(tau), fallback_index)
     best_m, best_g, switched = None, 0.0, 0
     # Ascending thresholds, the first switching every row the model prefers; on a tie the larger margin wins
-    # (fewer switches for the same held-out gain).
-    thresholds = [float(gain_pred.min()) - 1e-9, *np.unique(gain_pred).tolist()] if len(gain_pred) else []
+    # (fewer switches for the same held-out gain). Midway between predictions, not at one: a margin equal to a
+    # calibration row's own prediction decided that row by the last bit, which the same logits scored in another
+    # batch shape or precision (serving, a test's recomputation) could flip.
+    u = np.unique(np.asarray(gain_pred, dtype=np.float64))
+    below = u[0] - (0.5 * (u[1] - u[0]) if len(u) > 1 else max(abs(float(u[0])), 1e-6)) if len(u) else None
+    thresholds = [float(below), *((u[:-1] + u[1:]) / 2).tolist()] if len(u) else []
     for m in thresholds:
         chosen = np.where(gain_pred > m, best, fb)
         g = speed_gain(tau, costs, chosen, fb)

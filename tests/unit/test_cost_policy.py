@@ -110,6 +110,26 @@ def test_calibrated_margin_switches_only_where_predictions_pay():
     assert cal["margin"] is None and cal["calibration_gain"] == 0
 
 
+def test_the_margin_lies_midway_between_predictions_so_no_calibration_row_sits_on_it():
+    """A margin equal to a calibration row's own prediction decided that row by the last bit: the same logits scored
+    in another batch shape or in float32 (serving; test_stages' recomputation) could land on either side. The
+    margin is midway between the last prediction left on the fallback and the first switched; a prediction that
+    moved by float32 noise (1e-7) is decided as on the calibration rows."""
+    n, costs = 40, np.array([1.0, 1.0])
+    pred = np.repeat([0.1, 0.2, 0.3, 0.4], n // 4)
+    tau = np.full((n, 2), 3.0)
+    tau[pred >= 0.3, 1] = 4.0  # switching pays exactly where the prediction is 0.3 or more, and loses below
+    tau[pred < 0.3, 1] = 2.0
+    cal = calibrate_margin(pred, np.ones(n, dtype=int), tau, costs, 0)
+    assert cal["margin"] == pytest.approx(0.25) and cal["calibration_switched"] == n // 2
+    for p in (0.2, 0.3):
+        for noise in (-1e-7, 1e-7):
+            assert (p + noise > cal["margin"]) == (p > cal["margin"])
+    # Every row switched (all predictions pay): the margin sits below the lowest, by half the first gap.
+    tau[:, 1] = 4.0
+    assert calibrate_margin(pred, np.ones(n, dtype=int), tau, costs, 0)["margin"] == pytest.approx(0.05)
+
+
 def speed_policy(vocab, margin, fallback=8):
     torch.manual_seed(0)
     info = {"score": SPEED_SCORE, "fallback_block_size": fallback, "margin": margin, "score_scale": 1.0}

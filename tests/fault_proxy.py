@@ -24,7 +24,9 @@ got a 2xx answer (e.g. "the store goes down once the first shard is in"). Kinds:
   killed halfway, as the server sees it.
 
 Besides the rules, :meth:`FaultProxy.refuse` closes the listening port (connection refused, as for a store that is
-down) and :meth:`FaultProxy.accept` opens it again on the same port. The proxy counts what it injected
+down) and :meth:`FaultProxy.accept` opens it again on the same port; :meth:`FaultProxy.refuse_after` arms the same
+for the moment a matching request got its 2xx (the port is shut before that answer is sent, so that no later
+request of the client gets through, however fast it is: a test polling for the 2xx and then refusing raced it). The proxy counts what it injected
 (``injected``, per kind, and ``Fault.fired``) and logs every request with its outcome (``log``), so that a test can
 assert that its faults really happened, and that the client retried after each.
 
@@ -130,6 +132,8 @@ class FaultProxy:
         self._conns: set = set()
         self._listener: Optional[socket.socket] = None
         self._port = port
+        self._down = threading.Event()  # set: every request is reset, even on a connection already open
+        self._refuse_after: Optional[Tuple[Optional[str], re.Pattern]] = None
         self.accept()
 
     # ---- control -------------------------------------------------------------------------------------------------
@@ -165,21 +169,37 @@ class FaultProxy:
 
     def refuse(self) -> None:
         """Close the port (new connections are refused) and every open connection: the store is down."""
+        self._close_listener()
         with self._lock:
-            listener, self._listener = self._listener, None
             conns = list(self._conns)
-        # shutdown() first: close() alone does not wake a thread blocked in accept() or recv() on the socket (the
-        # kernel keeps the socket while a call is in it), and the port would go on accepting.
-        for s in ([listener] if listener is not None else []) + conns:
+        for s in conns:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _close_listener(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+        # shutdown() first: close() alone does not wake a thread blocked in accept() or recv() on the socket (the
+        # kernel keeps the socket while a call is in it), and the port would go on accepting.
         if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             listener.close()
+
+    def refuse_after(self, method: Optional[str], path: str) -> None:
+        """:meth:`refuse` once a request matching ``method`` (None: any) and ``path`` (a regex searched in the
+        target) got a 2xx: the proxy goes down before it sends that answer, and sends it, so that the client hears
+        the request succeed and finds the store down for the next one."""
+        self._refuse_after = (method, re.compile(path))
 
     def accept(self) -> None:
         """Listen (again) on the proxy's port."""
+        self._refuse_after = None
+        self._down.clear()
         if self._listener is not None:
             return
         s = socket.socket()
@@ -238,6 +258,9 @@ class FaultProxy:
                 if req is None:
                     abort = False
                     return
+                if self._down.is_set():  # down (refuse_after) while this connection was open: as refused
+                    self._record(req, "reset (down)")
+                    return
                 fault = self._match(req)
                 if req.headers.get("expect", "").lower() == "100-continue":
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -275,7 +298,17 @@ class FaultProxy:
                     with self._lock:
                         for rule in self.rules:
                             rule.arm_on(req.method, req.target, status)
+                    trigger = self._refuse_after
+                    down = trigger is not None and 200 <= status < 300 and trigger[0] in (None, req.method) and \
+                        bool(trigger[1].search(req.target))
+                    if down:  # before the answer: nothing the client sends after hearing it gets through
+                        self._down.set()
+                        self._close_listener()
                     conn.sendall(head + data)
+                    if down:
+                        self.refuse()
+                        abort = False
+                        return
                 if req.headers.get("connection", "").lower() == "close":
                     abort = False
                     return

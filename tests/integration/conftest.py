@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable  # the venv's python, by absolute path (a Ray job's PATH may not have it)
@@ -57,11 +57,19 @@ def free_ports(n: int) -> List[int]:
             s.close()
 
 
-def free_port_range(n: int, lo: int = 20000, hi: int = 30000, avoid: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:
-    """A run of n consecutive free ports below the ephemeral range and outside Ray's default worker range."""
+def free_port_range(n: int, avoid: Sequence[Tuple[int, int]] = (), lo: int = 20000, hi: int = 30000
+                    ) -> Tuple[int, int]:
+    """A run of n consecutive free ports below the ephemeral range and outside Ray's default worker range, clear of
+    the ranges in ``avoid`` (a cluster's other nodes'). Ray binds worker ports only as workers start, so a range
+    free now may be another node's: each xdist worker draws from its own share of lo..hi, and a cluster passes
+    every range it gave out (growth's five nodes once avoided only the previous one's)."""
+    shares = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    share = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % max(shares, 1)
+    width = (hi - lo) // max(shares, 1)
+    lo, hi = lo + share * width, lo + (share + 1) * width
     for _ in range(200):
         start = random.randrange(lo, hi - n)
-        if avoid[0] <= start + n and start <= avoid[1]:
+        if any(a <= start + n and start <= b for a, b in avoid):
             continue
         socks = []
         try:

@@ -64,8 +64,7 @@ class Cluster:
                 "--disable-usage-stats", f"--temp-dir={temp_dir or self.temp_dir}"]
 
     def _worker_range(self) -> tuple:
-        avoid = self.worker_ranges[-1] if self.worker_ranges else (0, 0)
-        r = free_port_range(100, avoid=avoid)
+        r = free_port_range(100, avoid=self.worker_ranges)
         self.worker_ranges.append(r)
         return r
 

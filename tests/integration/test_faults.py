@@ -204,7 +204,9 @@ def test_train_killed_mid_way_resumes_from_its_checkpoint(reference, tmp_path, f
     assert rerun.rc == 0, rerun.tail()
     m = re.search(r"\[train\] resuming from the checkpoint of epoch (\d+)", rerun.workers)
     assert m, rerun.workers[-3000:]
-    assert 0 <= int(m.group(1)) < at_kill
+    # At most the last epoch metrics.jsonl held at the kill (epoch at_kill - 1), or the next one when the kill fell
+    # between that epoch's checkpoint report and rank 0's rewrite of metrics.jsonl (stages/train.py: report first).
+    assert 0 <= int(m.group(1)) <= at_kill
     print(f"[fault] train group SIGKILLed with {at_kill} epochs in metrics.jsonl; escaped the group (killed by "
           f"pid): {sorted(run.escaped.values())}; rerun: {m.group(0)!r}")
     history = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -25,10 +25,10 @@ got a 2xx answer (e.g. "the store goes down once the first shard is in"). Kinds:
 
 Besides the rules, :meth:`FaultProxy.refuse` closes the listening port (connection refused, as for a store that is
 down) and :meth:`FaultProxy.accept` opens it again on the same port; :meth:`FaultProxy.refuse_after` arms the same
-for the moment a matching request got its 2xx (the port is shut before that answer is sent, so that no later
-request of the client gets through, however fast it is: a test polling for the 2xx and then refusing raced it). The proxy counts what it injected
-(``injected``, per kind, and ``Fault.fired``) and logs every request with its outcome (``log``), so that a test can
-assert that its faults really happened, and that the client retried after each.
+for the moment a matching request got its 2xx (the port is shut before that answer is sent, so that no later request
+of the client gets through, however fast it is: a test polling for the 2xx and then refusing raced it). The proxy
+counts what it injected (``injected``, per kind, and ``Fault.fired``) and logs every request with its outcome
+(``log``), so that a test can assert that its faults really happened, and that the client retried after each.
 
 Why not a maintained tool: toxiproxy (Shopify) is the usual one, but it is a Go server to install beside the tests
 (PyPI has only its client, toxiproxy-python), and it works at the TCP level: its toxics (latency, timeout,

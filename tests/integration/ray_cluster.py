@@ -68,8 +68,9 @@ class Cluster:
         self.worker_ranges.append(r)
         return r
 
-    def start(self) -> "Cluster":
-        self.head = Node("head", Run(self.head_cmd, self.env), set(self.ports))
+    def start(self, env: Optional[dict] = None) -> "Cluster":
+        """Starts the head, ``env`` added to its environment only (a test's sitecustomize hook)."""
+        self.head = Node("head", Run(self.head_cmd, {**self.env, **(env or {})}), set(self.ports))
         self.head.run.wait_for(lambda: "Ray runtime started" in self.head.run.output, 120, "the head to start")
         self._wait_for_job_server()
         return self

@@ -25,7 +25,8 @@ import pytest
 
 from conftest import FAST
 
-from .conftest import BLOCKPILOT, PYTHON, RAY, REPO, Run, marked_pids, validate
+from .conftest import (BLOCKPILOT, HOLD_FIRST_PROMPT, PYTHON, RAY, REPO, Run, hook_pids, inject_hook, marked_pids,
+                       validate)
 from .ray_cluster import Cluster, cmdline as _cmdline, job_ok as _ok
 
 # Ray's default ports: none of them may be used here, so a default Ray on the same machine is left alone.
@@ -35,11 +36,15 @@ SMALL = [*FAST, "train.epochs=2", "label.num_workers=2"]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head and one worker node, each with one logical GPU (tests/integration/ray_cluster.py)."""
+def cluster(tmp_path_factory):
+    """A head and one worker node, each with one logical GPU (tests/integration/ray_cluster.py). The head's label
+    actors hold each prompt while ``c.hold``'s release file is missing (HOLD_FIRST_PROMPT; the file is there but in
+    the lost-node test)."""
     c = Cluster(head_gpus=1)
+    c.hold = inject_hook(tmp_path_factory.mktemp("head-hold") / "hook", HOLD_FIRST_PROMPT)
+    open(c.hold["BP_RELEASE"], "w").close()
     try:
-        c.start()
+        c.start(env=c.hold)
         c.node = c.add_node("worker node", gpus=1, cpus=2).run
         # Both nodes registered with their GPU, their ports as the cluster reports them: asked of the cluster itself.
         probe = (
@@ -279,11 +284,14 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
     The event: the worker node's label actor's proctitle says it is inside ``process`` (on a shard). It is frozen
     there (SIGSTOP), its title read again (still on that shard: it cannot finish it any more), then the node's
     raylet is SIGKILLed, then the frozen actor (as a lost node's processes go with it; left alone it would run on a
-    moment and could still finish the shard, racing the kill). Before the pool's fix the stage failed: Ray's own
-    task retries (max_task_retries) were spent within milliseconds on the unreachable actor, while the cluster still
-    had its node for alive, and the pool then dropped the actor as out of restarts and failed its shard; had the
-    node's death been known first, the retry would have waited forever on the actor's restart, pending for the GPU
-    that the head's actor holds.
+    moment and could still finish the shard, racing the kill). Meanwhile the head's actor holds its first prompt
+    (the head's sitecustomize hook, released after the kill), so that it cannot label every shard before the worker
+    node's actor has one (held, not frozen: a frozen actor can miss Ray's keepalive on a loaded machine and be taken
+    for lost, as test_cluster_growth saw). Before the pool's fix the stage failed: Ray's own task retries
+    (max_task_retries) were spent within milliseconds on the unreachable actor, while the cluster still had its node
+    for alive, and the pool then dropped the actor as out of restarts and failed its shard; had the node's death
+    been known first, the retry would have waited forever on the actor's restart, pending for the GPU that the
+    head's actor holds.
 
     Not compared, each for a reason: ``decode_seconds``, ``prefill_seconds``, ``trace_seconds`` (measured wall
     time); ``worker`` (who labelled the row: here the head's actor for every row, checked); and
@@ -302,31 +310,25 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
     node_id = re.search(r"--node-id=([0-9a-f]+)", _cmdline(raylets[0])).group(1)
     assert node_id in cluster.node_ids, (node_id, cluster.node_ids)
     job = f"bp-lost-node-{secrets.token_hex(4)}"
+    release = cluster.hold["BP_RELEASE"]
+    os.remove(release)  # the head's actor holds its prompts until the kill
     run = cluster.submit("jobs/label.py", f"output_dir={out}", *LOST_NODE, wait=False, submission_id=job)
-    head_busy, node_busy, held = _BusyLabelActor(cluster.head.run.marker), _BusyLabelActor(cluster.node.marker), []
-
-    def node_on_a_shard():
-        """The worker node's actor on a shard; the head's, should it be on one first, frozen there meanwhile: a
-        worker takes shards as soon as it is set up, and the head's must not label every shard before the worker
-        node's actor has one."""
-        if not held and head_busy():
-            os.kill(head_busy.pid, signal.SIGSTOP)
-            held.append(head_busy.pid)
-        return node_busy()
-
+    node_busy = _BusyLabelActor(cluster.node.marker)
     try:
-        actor = run.wait_for(node_on_a_shard, 600, "the worker node's label actor on a shard")
+        actor = run.wait_for(node_busy, 600, "the worker node's label actor on a shard")
         os.kill(actor, signal.SIGSTOP)
         title = _cmdline(actor)
         assert title.startswith(f"{LABEL_ACTOR}.process"), title  # frozen on its shard
         os.kill(raylets[0], signal.SIGKILL)
         os.kill(actor, signal.SIGKILL)
-        for pid in held:
-            os.kill(pid, signal.SIGCONT)
+        held = hook_pids(cluster.hold)  # the head's actor, if it reached its first prompt meanwhile
+        open(release, "w").close()
         t_kill = time.monotonic()
         rc = run.wait(300)
-        print(f"[lost node] label job exited {rc} {time.monotonic() - t_kill:.1f} s after the kill")
+        print(f"[lost node] label job exited {rc} {time.monotonic() - t_kill:.1f} s after the kill; the head's actor "
+              f"was held on a prompt at the kill: {bool(held)}")
     finally:  # a job still running (the client timed out, or the test failed before) must not hold the head's GPU
+        open(release, "w").close()
         if run.proc.poll() is None:
             run.kill()
         if run.proc.returncode != 0:

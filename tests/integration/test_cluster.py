@@ -150,9 +150,22 @@ def test_blockpilot_submit_leaves_big_untracked_folders_behind(cluster, tmp_path
     uploads only the tracked top-level folders and the prepare job succeeds, where the README's former
     ``ray job submit --runtime-env-json '{"excludes": [".venv", "runs"]}'`` is refused by the job server (413).
     120 MB of random bytes: over the job server's 100 MiB cap (stages/upload.py RAY_UPLOAD_CAP) however well zip
-    compresses the rest; the raw submit zips all of it first (350 MB took ~10 CPU-s more)."""
+    compresses the rest; the raw submit zips all of it first (350 MB took ~10 CPU-s more).
+
+    In a copy of the checkout (its tracked files as they are in the working tree, tracked again by ``git add``), not
+    in the checkout itself: the other xdist worker's tests copy it (test_install) or upload it (test_cluster_growth's
+    raw submits), and would meet the 120 MB."""
+    checkout = tmp_path / "checkout"
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=REPO, capture_output=True, check=True,
+                             timeout=120).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (REPO / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, checkout / name)
+    subprocess.run(["git", "init", "-q"], cwd=checkout, check=True, timeout=120)
+    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True, timeout=120)
     tag = secrets.token_hex(4)
-    venv, data = REPO / f"venv-bp-test-{tag}", REPO / f"data-bp-test-{tag}"
+    venv, data = checkout / f"venv-bp-test-{tag}", checkout / f"data-bp-test-{tag}"
     try:
         venv.mkdir()
         (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
@@ -164,7 +177,7 @@ def test_blockpilot_submit_leaves_big_untracked_folders_behind(cluster, tmp_path
         raw_dir = tmp_path / "raw"
         raw = Run([RAY, "job", "submit", "--address", cluster.url, "--working-dir", ".", "--runtime-env-json",
                    json.dumps({"excludes": [".venv", "runs"]}), "--", PYTHON, "jobs/prepare.py",
-                   f"output_dir={raw_dir}", *SMALL], cluster.env)
+                   f"output_dir={raw_dir}", *SMALL], cluster.env, cwd=checkout)
         raw.wait(300)
         print(f"[submit] raw ray job submit: exit {raw.proc.returncode} in {time.monotonic() - raw.t0:.1f} s")
         assert raw.proc.returncode != 0, raw.tail(40)
@@ -175,7 +188,7 @@ def test_blockpilot_submit_leaves_big_untracked_folders_behind(cluster, tmp_path
         # After: blockpilot submit chooses the excludes itself.
         run_dir = tmp_path / "run"
         run = Run([BLOCKPILOT, "submit", "prepare", f"output_dir={run_dir}", *SMALL, "--address", cluster.url,
-                   "--python", PYTHON], cluster.env)
+                   "--python", PYTHON, "--working-dir", str(checkout)], cluster.env)
         run.wait(300)
         print(f"[submit] blockpilot submit: exit {run.proc.returncode} in {time.monotonic() - run.t0:.1f} s")
         assert run.proc.returncode == 0, run.tail(80)

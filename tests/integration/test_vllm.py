@@ -82,7 +82,8 @@ def test_labels_agree_with_our_engine_within_the_measured_bounds(engine, pair, p
     assert regret <= 0.05, regret  # measured 2.2 %
     at_b = engine.decode(prompts, B - 1, NEW)
     post, pre = hf_tokens(hf, prompts, B, NEW), hf_tokens(hf, prompts, B, NEW, prenorm=True)
-    assert sum(v.token_ids == o[0] for v, o in zip(at_b, post)) >= 0.95 * len(prompts)  # measured 16/16
+    # measured 16/16; one may differ (a near-tied argmax on another CPU's kernels): 0.95 x 16 asked for all 16
+    assert sum(v.token_ids == o[0] for v, o in zip(at_b, post)) >= len(prompts) - 1
     # by definition: vLLM's auxiliary features are pre-norm; ours given them match its steps more often, and closer
     same_post = sum(v.committed == o[1] for v, o in zip(at_b, post))
     same_pre = sum(v.committed == o[1] for v, o in zip(at_b, pre))

@@ -325,6 +325,7 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
     job = f"bp-lost-node-{secrets.token_hex(4)}"
     release = cluster.hold["BP_RELEASE"]
     os.remove(release)  # the head's actor holds its prompts until the kill
+    seen = len(hook_pids(cluster.hold))  # the pids the hook noted in the module's earlier label jobs
     run = cluster.submit("jobs/label.py", f"output_dir={out}", *LOST_NODE, wait=False, submission_id=job)
     node_busy = _BusyLabelActor(cluster.node.marker)
     try:
@@ -334,7 +335,7 @@ def test_label_job_survives_losing_the_worker_node_mid_label(cluster, labelled, 
         assert title.startswith(f"{LABEL_ACTOR}.process"), title  # frozen on its shard
         os.kill(raylets[0], signal.SIGKILL)
         os.kill(actor, signal.SIGKILL)
-        held = hook_pids(cluster.hold)  # the head's actor, if it reached its first prompt meanwhile
+        held = hook_pids(cluster.hold)[seen:]  # the head's actor, if it reached its first prompt meanwhile
         open(release, "w").close()
         t_kill = time.monotonic()
         rc = run.wait(300)

@@ -90,8 +90,7 @@ class Fault:
                 and (self.count is None or self.fired < self.count))
 
     def arm_on(self, method: str, target: str, status: int) -> None:
-        if not self.armed and 200 <= status < 300 and self.after[0] in (None, method) and \
-                re.search(self.after[1], target):
+        if not self.armed and _answered(self.after, method, target, status):
             self.armed = True
 
     def __repr__(self) -> str:
@@ -133,7 +132,7 @@ class FaultProxy:
         self._listener: Optional[socket.socket] = None
         self._port = port
         self._down = threading.Event()  # set: every request is reset, even on a connection already open
-        self._refuse_after: Optional[Tuple[Optional[str], re.Pattern]] = None
+        self._refuse_after: Optional[Tuple[Optional[str], str]] = None
         self.accept()
 
     # ---- control -------------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class FaultProxy:
         """:meth:`refuse` once a request matching ``method`` (None: any) and ``path`` (a regex searched in the
         target) got a 2xx: the proxy goes down before it sends that answer, and sends it, so that the client hears
         the request succeed and finds the store down for the next one."""
-        self._refuse_after = (method, re.compile(path))
+        self._refuse_after = (method, path)
 
     def accept(self) -> None:
         """Listen (again) on the proxy's port."""
@@ -298,9 +297,8 @@ class FaultProxy:
                     with self._lock:
                         for rule in self.rules:
                             rule.arm_on(req.method, req.target, status)
-                    trigger = self._refuse_after
-                    down = trigger is not None and 200 <= status < 300 and trigger[0] in (None, req.method) and \
-                        bool(trigger[1].search(req.target))
+                    down = self._refuse_after is not None and _answered(self._refuse_after, req.method, req.target,
+                                                                         status)
                     if down:  # before the answer: nothing the client sends after hearing it gets through
                         self._down.set()
                         self._close_listener()
@@ -366,6 +364,11 @@ class FaultProxy:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------------
+
+def _answered(when: Tuple[Optional[str], str], method: str, target: str, status: int) -> bool:
+    """Whether a request got the 2xx that ``when`` = (method, None: any; regex searched in the target) waits for."""
+    return 200 <= status < 300 and when[0] in (None, method) and bool(re.search(when[1], target))
+
 
 def _reset(sock: socket.socket) -> None:
     """Close with SO_LINGER 0: the peer gets a TCP RST (ECONNRESET), not a clean FIN."""

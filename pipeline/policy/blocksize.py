@@ -354,8 +354,10 @@ def calibrate_margin(gain_pred: np.ndarray, best: np.ndarray, tau: np.ndarray, c
     # calibration row's own prediction decided that row by the last bit, which the same logits scored in another
     # batch shape or precision (serving, a test's recomputation) could flip.
     u = np.unique(np.asarray(gain_pred, dtype=np.float64))
-    below = u[0] - (0.5 * (u[1] - u[0]) if len(u) > 1 else max(abs(float(u[0])), 1e-6)) if len(u) else None
-    thresholds = [float(below), *((u[:-1] + u[1:]) / 2).tolist()] if len(u) else []
+    thresholds = []
+    if len(u):
+        below = u[0] - (0.5 * (u[1] - u[0]) if len(u) > 1 else max(abs(float(u[0])), 1e-6))
+        thresholds = [float(below), *((u[:-1] + u[1:]) / 2).tolist()]
     for m in thresholds:
         chosen = np.where(gain_pred > m, best, fb)
         g = speed_gain(tau, costs, chosen, fb)

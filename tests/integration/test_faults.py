@@ -141,8 +141,8 @@ def test_label_actor_killed_mid_shard_is_restarted(prepared, reference, tmp_path
     labels = out / "labels"
     # Each label actor's first prompt is held (a sitecustomize hook on the run's PYTHONPATH, which its local Ray's
     # workers inherit) until the test writes a file: the victim is killed while it holds its shard, whatever the
-    # machine's speed. (An earlier version watched the shard's access time for the victim's read and lost the race on
-    # a fast machine: the victim wrote its whole shard between that read and the kill.)
+    # machine's speed (a watch for the victim's read of its shard lost the race: it could write the whole shard
+    # between that read and the kill).
     held = inject_hook(tmp_path / "hold", HOLD_FIRST_PROMPT)
     run = Run([PYTHON, "-m", "stages.cli", "label", f"output_dir={out}", *SMALL, "label.num_workers=2",
                "progress=true"], held)

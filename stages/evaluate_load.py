@@ -1,27 +1,31 @@
 """evaluate's pass at load: every evaluation prompt served c at a time for each c > 1 of ``evaluate.concurrency``.
 
-Runs after evaluate's per-prompt shards, in Ray tasks with the stage's device resources (on GPUs, the loads dealt
-out one part per worker, each on its own GPU; on CPUs one task on one thread: a wall-clock benchmark wants one quiet
-process; never the job's driver, which may have no GPU at all); in this process when Ray is not running (tests).
-The batched engine (pipeline.decoding.batched), the methods and their interleaved repeats (pipeline.evaluation.load). Writes
-``eval/load.parquet`` (one row per c x method x repeat) and ``eval/load.json`` (per c: the table, the headline
-against b*(c) and b*(1) with measured intervals, the cost model's error); a rerun with the same policy, prompts and
-settings keeps them.
+Runs after evaluate's per-prompt shards, in Ray tasks with the stage's device resources (on GPUs, each load's prompts
+cut into chunks of whole waves so that every worker has one, each on its own GPU; on CPUs one task on one thread: a
+wall-clock benchmark wants one quiet process; never the job's driver, which may have no GPU at all); in this process
+when Ray is not running (tests). The batched engine (pipeline.decoding.batched), the methods and their interleaved
+repeats (pipeline.evaluation.load). Each chunk is saved as it ends (``eval/load/<c>-<chunk>.parquet``, then its
+``.json``), so a failed or cancelled pass keeps what it finished and a rerun with the same fingerprint decodes only
+the missing chunks. Then ``eval/load.parquet`` (one row per c x method x repeat, each load's chunks merged:
+pipeline.evaluation.load.merge_chunks) and ``eval/load.json`` (per c: the table, the headline against b*(c) and b*(1)
+with measured intervals, the cost model's error); a rerun with the same policy, prompts and settings keeps them.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pyarrow as pa
 
-from pipeline.io.shards import file_sha256, list_shards, write_parquet_atomic, write_text_atomic
+from pipeline.io.shards import file_sha256, list_shards, write_json_atomic, write_parquet_atomic, write_text_atomic
 from pipeline.io.storage import read_table
 from pipeline.runtime.log import get as log
 from pipeline.io.layout import COST_PROFILE, POLICY_META
 
-LOAD_ROWS, LOAD_SUMMARY = "load.parquet", "load.json"
+LOAD_ROWS, LOAD_SUMMARY, CHUNKS = "load.parquet", "load.json", "load"
+
+Chunk = Tuple[int, int, int, int]  # pipeline.executor.ray.device_task.chunks: c, k, start, stop
 
 
 def _fingerprint(cfg, stage) -> Dict[str, Any]:
@@ -48,28 +52,65 @@ def run_load(cfg, stage, tables: bool = True) -> Dict[str, Any]:
     if not info.get("schedule"):
         log("evaluate").info("no evaluation at load: the cost profile has no load grid (profile.concurrency)")
         return {}
-    from pipeline.executor.ray.device_task import by_load, on_workers, split, where_of
+    from pipeline.evaluation.load import load_summary, merge_chunks, render_load
+    from pipeline.executor.ray.device_task import chunks, on_workers, split, where_of
 
-    # on GPUs, the loads dealt out to the stage's workers, one part each (each c is measured on one GPU alone)
-    parts = on_workers(stage, _measure, [(cfg, stage, group, info) for group in split(loads, stage)],
-                       what="at load")
-    summaries = by_load([got for got, _, _ in parts])
-    rows = [r for _, got, _ in parts for r in got]
-    where = where_of([w for _, _, w in parts])
-    from pipeline.evaluation.load import render_load
-
+    prompts = [p for shard in list_shards(stage.prompts)
+               for p in read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()]
+    plan = chunks(loads, len(prompts), stage)
+    (stage.folder / CHUNKS).mkdir(parents=True, exist_ok=True)
+    todo = [u for u in plan if _saved(stage, u, fp) is None]
+    if len(todo) < len(plan):
+        log("evaluate").info(f"at load: {len(plan) - len(todo)} of {len(plan)} chunks kept from an earlier run")
+    sched = schedule_of(stage, info)
+    if todo:  # on GPUs one chunk a worker (each decodes on a GPU alone); on CPUs every chunk in one task
+        on_workers(stage, _measure, [(cfg, stage, [(u, prompts[u[2]:u[3]]) for u in part], sched, fp)
+                                     for part in split(todo, stage)], what="at load")
+    summaries, rows, where = {}, [], []
+    for c in loads:
+        mine = [u for u in plan if u[0] == c]
+        saved = [_saved(stage, u, fp) for u in mine]
+        got = merge_chunks([read_table(stage.folder / CHUNKS / f"{_name(u)}.parquet").to_pylist() for u in mine])
+        rows += got
+        where += [s["where"] for s in saved]
+        summaries[str(c)] = {**load_summary(got, c, _baselines(sched, c)), "chunks": len(mine),
+                             "engines_at_once": min(s["engines_at_once"] for s in saved)}
     for summary in summaries.values():
         for line in render_load(summary) if tables else ():
             log("evaluate").info(line)
     write_parquet_atomic(pa.Table.from_pylist(rows), stage.folder / LOAD_ROWS, compression="zstd")
-    write_text_atomic(json.dumps({"fingerprint": fp, "where": where, "loads": summaries}, indent=1, default=str)
-                      + "\n", out)
+    write_text_atomic(json.dumps({"fingerprint": fp, "where": where_of(where), "loads": summaries}, indent=1,
+                                 default=str) + "\n", out)
     return summaries
 
 
-def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
+def _name(u: Chunk) -> str:
+    return f"{u[0]}-{u[1]:05d}"
+
+
+def _saved(stage, u: Chunk, fp: Dict[str, Any]):
+    """The chunk's saved ``.json`` when it holds this fingerprint and these prompts (its rows then saved before
+    it), else None."""
+    meta = stage.folder / CHUNKS / f"{_name(u)}.json"
+    if not meta.exists():
+        return None
+    got = json.loads(meta.read_text())
+    return got if got.get("fingerprint") == fp and [got.get("start"), got.get("stop")] == list(u[2:]) else None
+
+
+def save_chunk(stage, u: Chunk, rows: List[Dict[str, Any]], fp: Dict[str, Any], **meta: Any) -> None:
+    """A chunk's rows, then its ``.json`` (the fingerprint, its prompts, ``meta``): the json last, so that it marks
+    rows that are all there."""
+    folder = stage.folder / CHUNKS
+    write_parquet_atomic(pa.Table.from_pylist(rows), folder / f"{_name(u)}.parquet", compression="zstd")
+    write_json_atomic({"fingerprint": fp, "concurrency": u[0], "start": u[2], "stop": u[3], **meta},
+                      folder / f"{_name(u)}.json")
+
+
+def _measure(cfg, stage, part: List[Tuple[Chunk, List[List[int]]]], sched: Dict[int, int], fp: Dict[str, Any]):
+    """Decode each chunk of ``part`` (with its prompts) at its c, every method, and save it as it ends."""
     from pipeline.decoding.batched import fixed
-    from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load, load_summary
+    from pipeline.evaluation.load import ADAPTIVE, evaluate_at_load
     from pipeline.policy.blocksize import BlockSizePolicy
     from pipeline.policy.cost import CostProfile
     from pipeline.policy.load_cost import LoadCost
@@ -78,35 +119,30 @@ def _measure(cfg, stage, loads: List[int], info: Dict[str, Any]):
     from pipeline.executor.memory_checks import engines_at_once
 
     load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / COST_PROFILE))
-    prompts = [p for shard in list_shards(stage.prompts)
-               for p in read_table(shard, columns=["input_ids"]).column("input_ids").to_pylist()]
-    sched = schedule_of(stage, info)
-    summaries, rows = {}, []
     with batched_engine(cfg) as (models, batched):
         policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)
         try:
             policy = policy.fold(models.target.lm_head)
         except ValueError:
             pass
-        for c in loads:
+        for u, prompts in part:
+            c = u[0]
             choosers = {"AR": fixed(1), **{f"b={b}": fixed(b) for b in stage.candidates}}
             rule = _rule_at(stage, c, sched)
             if rule is not None:  # tune's rule at c, alone
                 choosers["per-step"] = fixed(rule[1], rule[0])
             choosers[ADAPTIVE] = _adaptive(policy.at_load(c, fallback=sched[c]), rule)
-            # AR too, timed in every repeat: no speculation is a choice at every load (b*(c) may be 1 itself)
-            baselines = {"AR": "AR", "b*(c)": _method(sched[c]), "b*(1)": _method(sched[1])}
+            baselines = _baselines(sched, c)
             # every method's engine at once when their slot caches fit the memory plan's budget, else fewer
             at_once = engines_at_once(cfg, models, prompts, c, len(choosers), max(stage.candidates))
-            log("evaluate").info(f"at load c={c}: {len(prompts)} prompts, {len(choosers)} methods ({at_once} at a "
-                                 f"time), b*(c)={sched[c]}, b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
+            log("evaluate").info(f"at load c={c}, chunk {u[1]} (prompts {u[2]}..{u[3] - 1}): {len(prompts)} prompts, "
+                                 f"{len(choosers)} methods ({at_once} at a time), b*(c)={sched[c]}, "
+                                 f"b*(1)={sched[1]}, {cfg.evaluate.load_repeats} repeats")
             got = evaluate_at_load(batched, prompts, c, choosers, list(baselines.values()),
                                    cfg.evaluate.load_repeats, cfg.decode.max_new_tokens, load_cost, cfg.decode.seed,
                                    log=log("evaluate").debug, max_engines=at_once, temperature=cfg.decode.temperature,
                                    top_p=cfg.decode.top_p, top_k=cfg.decode.top_k)
-            rows += got
-            summaries[str(c)] = {**load_summary(got, c, baselines), "engines_at_once": at_once}
-        return summaries, rows, where(models.device)
+            save_chunk(stage, u, got, fp, engines_at_once=at_once, where=where(models.device))
 
 
 def schedule_of(stage, info: Dict[str, Any]) -> Dict[int, int]:
@@ -115,6 +151,12 @@ def schedule_of(stage, info: Dict[str, Any]) -> Dict[int, int]:
     from pipeline.evaluation.load_check import read_checked
 
     return read_checked(stage.layout.load_check, {int(c): int(b) for c, b in info["schedule"].items()})
+
+
+def _baselines(sched: Dict[int, int], c: int) -> Dict[str, str]:
+    """The headline's baselines at c: AR too, timed in every repeat (no speculation is a choice at every load, and
+    b*(c) may be 1 itself), b*(c) and b*(1)."""
+    return {"AR": "AR", "b*(c)": _method(sched[c]), "b*(1)": _method(sched[1])}
 
 
 def _method(b: int) -> str:

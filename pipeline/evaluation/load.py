@@ -36,9 +36,13 @@ Every evaluation prompt served c at a time by the batched engine (continuous bat
 timed repeat. `load.json` holds per c the table (`methods`), the `headline` (adaptive against `AR`, `b*(c)`, the
 train-chosen b at c as tune's load check left it (`tune/load_check.json`; AR where b*(c) = 1), and `b*(1)`, the c = 1 choice: `measured` gain of mean throughputs with a paired t interval over
 the repeats, `modelled_gain`) and the `cost_model` (modelled / measured speedup over AR - 1 per method); its `where`
-says where the pass ran (the Ray node and GPU ids of the one task that served every load, with its device), and
-each c its `engines_at_once` (how many methods' engines ran in lockstep: all of them unless their slot caches exceed
-the memory plan's budget, pipeline/executor/memory_checks.py; then the methods run in groups, adaptive with its baselines).
+says where the pass ran (the Ray node and GPU ids of the task, with its device; a list, one per chunk, when the
+prompts were cut into chunks), and each c its `chunks` and `engines_at_once` (how many methods' engines ran in
+lockstep: all of them unless their slot caches exceed the memory plan's budget, pipeline/executor/memory_checks.py;
+then the methods run in groups, adaptive with its baselines; the fewest of any chunk). On GPUs each load's prompts
+are cut into chunks of whole waves, one per GPU worker (`load/<c>-<chunk>.parquet` and `.json`, each saved as it
+ends: a rerun decodes only the chunks missing), and the rows here merge them (`merge_chunks`: the whole-run
+throughput and latencies then count each chunk's ragged tail; the `full_*` steady state does not).
 
 | column | meaning |
 | --- | --- |
@@ -53,9 +57,11 @@ the memory plan's budget, pipeline/executor/memory_checks.py; then the methods r
 | `modelled_decode_seconds` | the ragged cost model's seconds for the same decode steps (cost_profile.json v3) |
 | `throughput`, `modelled_throughput` | new tokens per second: measured; modelled (decode model + measured prefill) |
 | `latency_mean`, `latency_p50`, `latency_p95` | per request, seconds from its admission (prefill) to its last token |
+| `latencies` | per request, seconds from its admission to its last token (in prompt order) |
 | `full_steps`, `full_tokens` | the decode steps with all c rows running (the steady state a server with more requests than slots runs, and what b*(c) models), and the tokens they committed |
+| `full_decode_seconds`, `modelled_full_decode_seconds` | measured seconds of those steps; the ragged cost model's |
 | `full_throughput`, `modelled_full_throughput` | tokens per second over those steps (decode only): measured; the ragged cost model's; null without a full step |
-| `window_throughput` | tokens per second over the full steps of the window all runs of its lockstep share (the turns until the first of them leaves its full steps: `window_throughputs`); the paired measure tune's load check decides on; null when the run had no lockstep partner or a run of its lockstep no full step |
+| `window_throughput` | tokens per second over the full steps of the window all runs of its lockstep share (the turns until the first of them leaves its full steps: `window_throughputs`); the paired measure tune's load check decides on; null when the run had no lockstep partner or a run of its lockstep no full step, and in a row merged from several chunks (each chunk's lockstep has its own window) |
 """
 
 
@@ -129,11 +135,53 @@ def run_row(c: int, method: str, repeat: int, run, load_cost, same_as: Optional[
             "modelled_decode_seconds": None if modelled_steps is None else float(modelled_steps),
             "throughput": run.new_tokens / run.wall_seconds,
             "modelled_throughput": None if modelled_steps is None else run.new_tokens / (modelled_steps + prefill),
-            "full_steps": len(full), "full_tokens": int(full_tokens),
+            "full_steps": len(full), "full_tokens": int(full_tokens), "full_decode_seconds": float(full_measured),
+            "modelled_full_decode_seconds": None if full_modelled is None else float(full_modelled),
             "full_throughput": full_tokens / full_measured if full_measured > 0 else None,
             "modelled_full_throughput": full_tokens / full_modelled if full_modelled else None,
-            "latency_mean": float(lat.mean()), "latency_p50": float(np.percentile(lat, 50)),
-            "latency_p95": float(np.percentile(lat, 95))}
+            **_latencies(lat)}
+
+
+def _latencies(lat: np.ndarray) -> Dict[str, Any]:
+    return {"latencies": [float(x) for x in lat], "latency_mean": float(lat.mean()),
+            "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95))}
+
+
+SUMMED = ("requests", "new_tokens", "steps", "wall_seconds", "prefill_seconds", "decode_seconds", "full_steps",
+          "full_tokens", "full_decode_seconds")
+
+
+def merge_chunks(chunks: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """One load's rows over chunks of its prompts (each decoded apart, :func:`evaluate_at_load` on a contiguous
+    chunk) as one part over all of them gives them: per method x repeat (those in every chunk: a method that shares
+    a decode in one chunk and not in another keeps the repeats they all have), the sums of the chunks' tokens,
+    steps and seconds, and the throughputs and latencies over those sums; ``same_as`` where every chunk agrees.
+    Adaptive and its baselines are timed in every repeat of every chunk, each chunk's repeat in one lockstep, so
+    their merged repeats stay paired. Exact up to the decode order, except where a statistic depends on which
+    prompts share a wave: each chunk starts with a full wave and ends with its own ragged tail (rows < c), so the
+    whole-run ``throughput``, ``wall_seconds`` and the latencies of k chunks count k tails where one part counts one;
+    the ``full_*`` steady state does not. ``window_throughput`` is each chunk's own lockstep's: null once merged."""
+    if len(chunks) == 1:
+        return chunks[0]
+    by = [{(r["method"], r["repeat"]): r for r in rows} for rows in chunks]
+    out = []
+    for key in (k for k in by[0] if all(k in b for b in by[1:])):
+        rs = [b[key] for b in by]
+        row = {**rs[0], **{k: sum(r[k] for r in rs) for k in SUMMED}, "window_throughput": None,
+               "block_sizes": sorted({b for r in rs for b in r["block_sizes"]}),
+               "same_as": rs[0]["same_as"] if all(r["same_as"] == rs[0]["same_as"] for r in rs) else None}
+        for k in ("modelled_decode_seconds", "modelled_full_decode_seconds"):
+            row[k] = None if any(r[k] is None for r in rs) else sum(r[k] for r in rs)
+        modelled, full, full_modelled = (row["modelled_decode_seconds"], row["full_decode_seconds"],
+                                         row["modelled_full_decode_seconds"])
+        row.update(throughput=row["new_tokens"] / row["wall_seconds"],
+                   modelled_throughput=None if modelled is None else
+                   row["new_tokens"] / (modelled + row["prefill_seconds"]),
+                   full_throughput=row["full_tokens"] / full if full > 0 else None,
+                   modelled_full_throughput=row["full_tokens"] / full_modelled if full_modelled else None,
+                   **_latencies(np.array([x for r in rs for x in r["latencies"]])))
+        out.append(row)
+    return out
 
 
 def evaluate_at_load(batched, prompts: List[List[int]], c: int, choosers: Dict[str, Callable], baselines: Sequence[str],

@@ -2,8 +2,9 @@
 
 Ray tasks that each ask what one of the stage's workers asks (one GPU, or its CPUs), never the job's driver, which
 may have no GPU at all (a RayJob head has none); in this process when Ray is not running (tests). On GPUs the work
-is split into one part per worker (:func:`split`), each on a GPU of its own; on CPUs it is one task, which decodes
-on one thread, as one decoding actor of one CPU does: a wall-clock benchmark wants one quiet process.
+is split into one part per worker (:func:`split`; evaluate's loads cut into chunks of prompts first, :func:`chunks`),
+each on a GPU of its own; on CPUs it is one task, which decodes on one thread, as one decoding actor of one CPU
+does: a wall-clock benchmark wants one quiet process.
 """
 
 from __future__ import annotations
@@ -99,13 +100,38 @@ def _states(started, results, n: int, since, now: float, asks: str) -> str:
     return ", ".join(parts)
 
 
-def split(items: List[Any], stage) -> List[List[Any]]:
-    """``items`` (loads) dealt round-robin into one part per worker the stage has on GPUs, each GPU its own part;
-    one part where the models run on CPUs (logical GPUs included), as parts at once would share the cores that a
-    wall-clock measurement times."""
+def parts_at_once(stage) -> int:
+    """How many parts the work runs in: one per worker the stage has on GPUs, each GPU its own part; one where the
+    models run on CPUs (logical GPUs included), as parts at once would share the cores that a wall-clock
+    measurement times."""
     place = stage.placement
-    n = min(len(items), place.num_workers) if place is not None and place.on_gpu and place.device == "cuda" else 1
+    return place.num_workers if place is not None and place.on_gpu and place.device == "cuda" else 1
+
+
+def split(items: List[Any], stage) -> List[List[Any]]:
+    """``items`` (loads, or :func:`chunks`) dealt round-robin into :func:`parts_at_once` parts."""
+    n = min(len(items), parts_at_once(stage))
     return [items[i::n] for i in range(n)] if items else [items]
+
+
+def chunks(loads: List[int], prompts: int, stage) -> List[Tuple[int, int, int, int]]:
+    """(c, k, start, stop): chunk k of load c, its prompts [start, stop). Each load's prompts cut into contiguous
+    chunks of whole waves (c prompts each, the load's last wave possibly short), so that every GPU worker has a
+    part: at 64 GPUs one load alone would otherwise keep one GPU busy past workers.task_timeout_s while 63 idle.
+    The parts go to the loads one at a time, each to the load with the most waves per part so far (a wave at any c
+    takes about the same steps; at least one wave a part, at least one part a load); on CPUs, one chunk a load."""
+    waves = {c: -(-prompts // c) for c in loads}
+    share = {c: 1 for c in loads}
+    for _ in range(parts_at_once(stage) - len(loads)):
+        room = [c for c in loads if share[c] < waves[c]]
+        if not room:
+            break
+        share[max(room, key=lambda c: waves[c] / share[c])] += 1
+    out = []
+    for c in loads:
+        cuts = [waves[c] * i // share[c] for i in range(share[c] + 1)]
+        out += [(c, k, a * c, min(b * c, prompts)) for k, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    return out
 
 
 def by_load(parts: List[Dict[str, Any]]) -> Dict[str, Any]:

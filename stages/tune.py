@@ -3,7 +3,10 @@
 Offline first (pipeline.evaluation.rule_search, on the driver): the acceptance model of the learned rule is fitted
 on the label set's train-split traces, then every rule of ``tune.rules`` (``learned`` included) is simulated on
 EVERY val-split row from its trace at the label set's b_max, beside the train-chosen fixed b and the per-step
-oracle, and scored by modelled time (the policy's cost profile). The evaluation sets are never read.
+oracle, and scored by modelled time (the policy's cost profile). The evaluation sets are never read. Beyond
+``tune.max_rows`` rows of a split, a fixed random subset of that many (pipeline.evaluation.rule_search.read_traced:
+a large label set's traces would not fit the driver); step_rule.json's ``rows_read`` says how many were read and
+used.
 
 Then a decoded confirmation: the first ``tune.limit`` val prompts are decoded with the chosen rule, the best
 threshold rule, the learned rule and the fixed b (``tune/part-N.parquet``, one row per prompt x method), and every
@@ -78,11 +81,15 @@ class TuneStage(DecodingStage):
         return CostProfile.load(self.policy_dir / COST_PROFILE)
 
     @cached_property
+    def traced(self) -> Dict[str, Any]:
+        """The label rows the search reads (driver side), read once: at most tune.max_rows of each split."""
+        t = self.cfg.train
+        return read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction, self.cfg.tune.max_rows)
+
+    @cached_property
     def searched(self) -> Dict[str, Any]:
         """The offline search (driver side): fit, simulate, choose."""
-        t = self.cfg.train
-        rows = read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction)
-        return search(rows, self.cfg.tune.rules, self.profile, self.baseline, self.cfg.decode.max_new_tokens)
+        return search(self.traced, self.cfg.tune.rules, self.profile, self.baseline, self.cfg.decode.max_new_tokens)
 
     @property
     def confirm_rules(self) -> List[str]:
@@ -171,7 +178,8 @@ class TuneStage(DecodingStage):
     def finalize(self, manifest: Dict[str, Any]) -> Dict[str, Any]:
         s = self.searched
         decoded = pa.concat_tables([read_table(p) for p in list_shards(self.folder)])
-        choice = {**s["choice"], "confirmed": confirm(decoded, s["rows"], self.baseline)}
+        choice = {**s["choice"], "confirmed": confirm(decoded, s["rows"], self.baseline),
+                  "rows_read": self.traced["counts"]}
         # b*(c) against no speculation, measured at the evaluated loads (the shards' actors are gone: the task gets
         # a worker's resources); the rules at load are then searched against the schedule it leaves
         check = run_check(self.cfg, self)
@@ -186,7 +194,7 @@ class TuneStage(DecodingStage):
                 "oracle_gain": choice["per_step_oracle"]["gain"],
                 "families": {f: {"rule": t["rule"], "gain": t["gain"], "oracle_gain_captured": t["oracle_gain_captured"]}
                              for f, t in fam.items()},
-                "adoption": choice["adoption"],
+                "adoption": choice["adoption"], "rows_read": choice["rows_read"],
                 "simulated_equals_decoded": choice["confirmed"]["simulated_equals_decoded"],
                 "load": {c: {k: v[k] for k in ("rule", "gain", "baseline_b")} for c, v in choice["load"].items()},
                 **({"load_check": summary_of(check)} if check else {})}
@@ -202,9 +210,7 @@ class TuneStage(DecodingStage):
         if len(sched) < 2:
             return {}
         sched = {c: b for c, b in sched.items() if c == 1 or b > 1}
-        t = self.cfg.train
-        rows = read_traced(list_shards(self.labels), t.val_fraction, t.calibration_fraction)
-        return search_at_load(rows, self.cfg.tune.rules, LoadCost.from_profile(self.profile), sched,
+        return search_at_load(self.traced, self.cfg.tune.rules, LoadCost.from_profile(self.profile), sched,
                               self.cfg.decode.max_new_tokens)
 
     def summary_lines(self, summary: Dict[str, Any]) -> List[str]:
@@ -212,7 +218,7 @@ class TuneStage(DecodingStage):
         return [f"chose {summary['step_rule']} at b_max={summary['max_block_size']}: modelled gain "
                 f"{summary['gain_vs_baseline']:+.2%} over b={summary['baseline_b']} on {summary['prompts']} held-out "
                 f"label prompts (simulated; per-step oracle {summary['oracle_gain']:+.2%}; best per family: {fams})",
-                adoption_line(summary["adoption"]),
+                adoption_line(summary["adoption"]), *_capped_line(summary.get("rows_read")),
                 f"decoded confirmation: {summary['simulated_equals_decoded']} (-> {self.folder / STEP_RULE})",
                 *(["at load (simulated): " + "; ".join(f"c={c} {v['rule']} {v['gain']:+.2%} over b={v['baseline_b']}"
                                                          for c, v in summary["load"].items())]
@@ -225,6 +231,15 @@ class TuneStage(DecodingStage):
                 f"`{SIMULATED}`: one row per val prompt x simulated method (worker `simulated`; the fixed b's row "
                 "has no per-step lengths); `step_rule.json` holds the chosen rule.\n\n"
                 f"| column | type | meaning |\n| --- | --- | --- |\n{rows}\n" + CHECK_DOC)
+
+
+def _capped_line(counts: Optional[Dict[str, Any]]) -> List[str]:
+    """What tune.max_rows left out, when it left any row out (else nothing)."""
+    if not counts or counts["used"] == counts["traced"]:
+        return []
+    used, traced = counts["used"], counts["traced"]
+    return [f"read {used['val']:,} of {traced['val']:,} val rows and {used['train']:,} of {traced['train']:,} others "
+            f"(tune.max_rows={counts['max_rows']:,}: a fixed random subset)"]
 
 
 def confirm(decoded: pa.Table, simulated: List[Dict[str, Any]], baseline: int) -> Dict[str, Any]:

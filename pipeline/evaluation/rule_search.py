@@ -4,7 +4,8 @@ The label rows of the train split fit the acceptance model (pipeline.policy.acce
 (pipeline.policy.step_rules.LearnedVerify) reads; every rule of the grid, the learned one included, is then
 simulated (pipeline.policy.simulate, exact at T = 0) on EVERY row of the val split, beside the fixed baseline b and
 the per-step oracle, and scored by modelled time under the policy's cost profile. The evaluation sets are never
-read.
+read. Every row up to tune.max_rows a split; beyond, a fixed random subset of that many (:func:`read_traced`: the
+traces are read into the driver).
 
 Whether adaptive adopts the chosen rule is decided apart from the choice (:func:`cross_fitted_gain`): the best of
 nine rules on the same rows is biased upwards (on 156 val rows tune adopted a rule at a simulated +0.3 % that then
@@ -53,19 +54,69 @@ class TracedRow:
     trace: Trace
 
 
-def read_traced(shards: Sequence, val_fraction: float, calibration_fraction: float) -> Dict[str, List[TracedRow]]:
+def read_traced(shards: Sequence, val_fraction: float, calibration_fraction: float,
+                max_rows: Optional[int] = None) -> Dict[str, Any]:
     """The label rows with a trace, by split (``train`` holds the train and calibration splits: the acceptance model
-    is not the MLP, and every row outside val is fair to fit it on)."""
-    out: Dict[str, List[TracedRow]] = {"train": [], "val": []}
-    for path in shards:
-        for r in read_table(path, columns=LABEL_COLUMNS).to_pylist():
-            trace = Trace.from_row(r)
-            if trace is None:
-                continue
-            split = "val" if split_of(r["prompt_id"], val_fraction, calibration_fraction) == "val" else "train"
-            out[split].append(TracedRow(r["prompt_id"], r["source"], int(r["prompt_tokens"]), list(r["candidates"]),
-                                        list(r["steps"]), trace))
+    is not the MLP, and every row outside val is fair to fit it on), each in the shards' order, and ``counts``
+    (label rows, traced rows per split, rows used per split, the cap).
+
+    At most ``max_rows`` rows of each split (tune.max_rows; None: all): the rows of least :func:`row_rank`, a random
+    subset that is the same on every run, machine and shard layout. A 1M-row label set's traces would not fit the
+    driver: a first pass reads only the prompt ids and which rows have a trace, a second reads the trace columns of
+    the chosen rows' shards alone and makes Python objects of the chosen rows only; shards are read READ_THREADS at
+    a time (object storage is mostly waiting), so at most that many shards' tables are in memory beside the rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards = list(shards)
+
+    def ids(path):  # (label rows, the positions of those with a trace, which of them are val, their row_rank)
+        t = read_table(path, columns=["prompt_id", "trace_block_size"])
+        at = np.flatnonzero(t.column("trace_block_size").is_valid().to_numpy(zero_copy_only=False))
+        pids = t.column("prompt_id").take(at).to_pylist()
+        val = np.array([split_of(p, val_fraction, calibration_fraction) == "val" for p in pids], dtype=bool)
+        return t.num_rows, at, val, np.array([row_rank(p) for p in pids], dtype=np.uint64)
+
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        sizes, at, val, ranks = zip(*pool.map(ids, shards)) if shards else ((), (), (), ())
+        shard = np.repeat(np.arange(len(shards)), [len(a) for a in at])
+        pos, is_val, rank = (np.concatenate([*x, np.zeros(0, dt)]) for x, dt in ((at, np.int64), (val, bool),
+                                                                                  (ranks, np.uint64)))
+        chosen = np.zeros(len(pos), dtype=bool)
+        counts = {"label_rows": int(sum(sizes)), "traced": {}, "used": {}, "max_rows": max_rows}
+        for name, want in (("train", False), ("val", True)):
+            mine = np.flatnonzero(is_val == want)
+            pick = mine[np.lexsort((pos[mine], shard[mine], rank[mine]))][:max_rows]
+            chosen[pick] = True
+            counts["traced"][name], counts["used"][name] = len(mine), len(pick)
+        keep = np.split(chosen, np.cumsum([len(a) for a in at])[:-1])
+
+        def traced(i):
+            if not keep[i].any():
+                return []
+            t = read_table(shards[i], columns=LABEL_COLUMNS).take(at[i][keep[i]])
+            return [("val" if v else "train", _row(r)) for r, v in zip(t.to_pylist(), val[i][keep[i]])]
+
+        out: Dict[str, Any] = {"train": [], "val": [], "counts": counts}
+        for got in pool.map(traced, range(len(shards))):
+            for name, r in got:
+                out[name].append(r)
     return out
+
+
+# Shards read at once by read_traced: a few tables in memory, enough to keep object storage's latency hidden.
+READ_THREADS = 8
+
+
+def row_rank(prompt_id: str) -> int:
+    """A prompt's place in the order read_traced keeps rows by under tune.max_rows: a hash apart from the split's
+    (pipeline.policy.blocksize.split_of), so the rows kept are uniform within each split (the least split hashes of
+    the non-val rows would all be calibration rows)."""
+    return int.from_bytes(hashlib.sha256(f"tune-rows:{prompt_id}".encode()).digest()[:8], "big")
+
+
+def _row(r: Dict[str, Any]) -> TracedRow:
+    return TracedRow(r["prompt_id"], r["source"], int(r["prompt_tokens"]), list(r["candidates"]), list(r["steps"]),
+                     Trace.from_row(r))
 
 
 def fixed_seconds(row: TracedRow, b: int, profile) -> float:

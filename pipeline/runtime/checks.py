@@ -118,6 +118,7 @@ def validate(cfg) -> None:
     _check(0 <= cfg.train.dropout < 1, "train.dropout", "must be in [0, 1)")
     _check(cfg.train.num_workers >= 1, "train.num_workers", "must be >= 1")
     _check(cfg.tune.limit >= 1, "tune.limit", "must be >= 1")
+    _check(cfg.tune.max_rows is None or cfg.tune.max_rows >= 1, "tune.max_rows", "must be >= 1, or null (all rows)")
     _check(cfg.tune.load_prompts >= 0, "tune.load_prompts", "must be >= 0 (0: no load check)")
     _check(cfg.tune.load_repeats >= 2, "tune.load_repeats", "must be >= 2 (the check decides on a paired interval)")
     _check(cfg.tune.load_max_repeats >= cfg.tune.load_repeats, "tune.load_max_repeats",

@@ -297,6 +297,12 @@ class TuneConfig:
     limit: int = 4
     # Decoding actors, as label.num_workers.
     num_workers: Optional[int] = 2
+    # At most this many label rows of each split are read into the driver (null: all): the val rows every rule is
+    # simulated on, and the others the learned rule's acceptance model is fitted on. A traced row at 2048 new tokens
+    # is ~1 MB as Python objects, so a 1M-row label set would not fit the driver; the rows kept are a random subset
+    # by a hash of the prompt id (pipeline.evaluation.rule_search.row_rank), the same on every run. 2000 keeps all of
+    # the default's 520 rows and of the published sets' ~2,200 (~1,500 outside val).
+    max_rows: Optional[int] = 2000
     # The load check (pipeline/evaluation/load_check.py): at each c > 1 of evaluate.concurrency where b*(c) > 1, b*(c)
     # is timed against AR in lockstep on the first `load_prompts` val prompts (0: no check), from `load_repeats` up to
     # `load_max_repeats` repeats until its paired interval (level 1 - `load_alpha` per look) settles a verdict

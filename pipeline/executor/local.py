@@ -7,8 +7,10 @@ Ray actor pool in ``pipeline/executor/ray/pool.py`` is the other one.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from pipeline.executor.failures import DeviceFailure
 from pipeline.executor.stage import Rejects, ShardStage, ShardTask, Worker
@@ -43,37 +45,50 @@ def run_task(stage: ShardStage, task: ShardTask, worker: Worker) -> Dict[str, An
 
 
 class LocalExecutor:
-    """Every task in this process, one after another; a failing task is retried ``retries`` times."""
+    """Every task in this process, in order; a failing task is retried ``retries`` times. A stage whose shards wait on
+    the store, not the CPU, says how many to run at once (``io_threads``: prepare's, each a write of a few hundred KB
+    at 30 ms a request to object storage); ``done`` still comes once per task, in task order, from the calling
+    thread, and the shards and the execution are those of one task after another."""
 
     def __init__(self, retries: int = 0, identity: str = "driver"):
         self.retries, self.identity = retries, identity
+        self.broken: Optional[str] = None  # a DeviceFailure: the one device this process has, so nothing more runs
 
     def run(self, stage: ShardStage, tasks: List[ShardTask], done: Done) -> Execution:
         worker = Worker(self.identity)
         stage.setup(worker)
-        failures, broken = [], None
-        for task in tasks:
-            error = f"not run: {broken}" if broken else self._attempts(stage, task, worker, done)
-            if error is None:
-                continue
-            if error.startswith(DeviceFailure.__name__):  # the one device this process has: nothing more runs
-                broken = error
-            failures.append(f"{task.name}: {error}")
-            done(task, None, error)
+        self.broken = None
+        attempts = partial(self._attempts, stage, worker=worker)
+        threads = getattr(stage, "io_threads", 1)
+        if threads > 1 and len(tasks) > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix=stage.name) as pool:
+                return self._report(tasks, pool.map(attempts, tasks), done)
+        return self._report(tasks, map(attempts, tasks), done)
+
+    @staticmethod
+    def _report(tasks: List[ShardTask], outcomes: Iterator[Tuple[Optional[Dict[str, Any]], Optional[str]]],
+                done: Done) -> Execution:
+        failures = []
+        for task, (result, error) in zip(tasks, outcomes):
+            done(task, result, error)
+            if error is not None:
+                failures.append(f"{task.name}: {error}")
         return Execution([], failures)
 
-    def _attempts(self, stage: ShardStage, task: ShardTask, worker: Worker, done: Done) -> Optional[str]:
-        """Runs ``task`` up to 1 + retries times; None once done, else the last error. A DeviceFailure is not
-        retried: there is no other worker here to take the shard."""
+    def _attempts(self, stage: ShardStage, task: ShardTask, worker: Worker) -> Tuple[Optional[Dict[str, Any]],
+                                                                                       Optional[str]]:
+        """Runs ``task`` up to 1 + retries times: (its result, None) once done, else (None, the last error). A
+        DeviceFailure is not retried: there is no other worker here to take the shard."""
+        if self.broken:
+            return None, f"not run: {self.broken}"
         for attempt in range(self.retries + 1):
             try:
-                done(task, run_task(stage, task, worker), None)
-                return None
+                return run_task(stage, task, worker), None
             except DeviceFailure as err:
-                error = f"{type(err).__name__}: {err}"
+                self.broken = error = f"{type(err).__name__}: {err}"
                 log(stage.name).warning(f"{task.name} failed: {error}; no other worker here")
-                return error
+                return None, error
             except Exception as err:  # noqa: BLE001 - one shard's failure must not stop the others
                 error = f"{type(err).__name__}: {err}"
                 log(stage.name).warning(f"{task.name} attempt {attempt + 1}/{self.retries + 1} failed: {error}")
-        return error
+        return None, error

@@ -74,6 +74,7 @@ def validate(cfg) -> None:
     _check(cfg.label.memory_gb is None or cfg.label.memory_gb > 0, "label.memory_gb", "must be > 0")
     for key, low in (("label.num_workers", 1), ("label.trace_block_size", 2),
                      ("prepare.shard_size", 1), ("prepare.max_prompt_tokens", 1), ("prepare.limit", 1),
+                     ("prepare.write_threads", 1),
                      ("train.checkpoint_every", 1), ("profile.max_block_size", 1)):  # None: unset, or no bound
         _check(_get(cfg, key) is None or _get(cfg, key) >= low, key, f"must be >= {low}")
     _check(cfg.workers.cpus_per_worker > 0, "workers.cpus_per_worker", "must be > 0")

@@ -122,6 +122,9 @@ class PrepareConfig:
     # Shards each expected label worker gets when the prompts allow (smaller shards, never under 8 prompts;
     # pipeline/executor/sharding.py); 0 = every shard shard_size.
     shards_per_worker: int = 4
+    # Shards prepare writes at once (threads in the driver): each is a write of a few hundred KB, dominated by the
+    # store's latency (30 ms a request to object storage); 1 = one after another.
+    write_threads: int = 8
     # Cap on prompts taken from each source (None = all); per-source `limit` wins when smaller.
     limit: Optional[int] = 104
     # Wrap each prompt in the tokenizer's chat template (as a single user turn).

@@ -231,8 +231,11 @@ def test_a_store_that_stays_down_fails_in_one_line_naming_it_and_a_rerun_complet
             outage = proxy.add("status", count=None, status=503, code="ServiceUnavailable", after=("PUT", first))
         else:
             proxy.refuse_after("PUT", first)
-        proc = subprocess.Popen([PYTHON, "-m", "stages.cli", "prepare", f"output_dir={out}", *SMALL], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # One shard written at a time, so that the outage falls between two (with prepare.write_threads the second
+        # may be in flight already, and then both are kept).
+        proc = subprocess.Popen([PYTHON, "-m", "stages.cli", "prepare", f"output_dir={out}", *SMALL,
+                                 "prepare.write_threads=1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
         try:
             stdout, stderr = proc.communicate(timeout=240)  # it must give up on a store that stays down
         finally:

@@ -3,10 +3,10 @@
 A stage (:class:`pipeline.executor.stage.ShardStage`) declares its fingerprint, plan, setup, ``process_shard`` and
 resources; :func:`run_stage` owns the rest, the same way for every stage: required inputs, the writable check,
 skip-if-complete, the folder's lease (one writer per folder, :mod:`pipeline.executor.lease`), fingerprint and drift
-refusal (``force``), stale temp files, the to-do list (a kept shard must match the sha256 recorded when it was
-written), the executor and its retries, the atomic reject + checksum + shard writes, one manifest format, one rejects
-layout, ``summary.json``, the dataset card and ``_SUCCESS``. Stages that are not shard-shaped (train, report) use
-:class:`pipeline.executor.folder.StageFolder` for the same bookkeeping.
+refusal (``force``), stale temp files, the to-do list (a kept shard must be the one recorded when it was written:
+its listed stamp, else its sha256), the executor and its retries, the atomic reject + checksum + shard writes, one
+manifest format, one rejects layout, ``summary.json``, the dataset card and ``_SUCCESS``. Stages that are not
+shard-shaped (train, report) use :class:`pipeline.executor.folder.StageFolder` for the same bookkeeping.
 
 Ray-free: the Ray actor pool is an executor in ``pipeline/executor/ray/pool.py``;
 :class:`pipeline.executor.local.LocalExecutor` runs a stage in this process (prepare, and the driver's own tests).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline import __version__
 from pipeline.executor.card import front_matter, layout_doc
@@ -27,8 +27,9 @@ from pipeline.executor.manifest import write_manifest
 from pipeline.executor.progress import Progress
 from pipeline.executor.stage import Plan, ShardStage, ShardTask
 from pipeline.io.layout import CHECKSUMS_DIR, INPUT_REJECTS, MANIFEST, REJECTS, REJECTS_DIR
-from pipeline.io.shards import (fingerprint_sha256, list_shards, output_shard_problem, read_checksum, read_jsonl,
-                                write_jsonl_atomic)
+from pipeline.io.shards import (fingerprint_sha256, output_shard_problem, read_jsonl, read_listed_jsonl,
+                                read_sidecar, shard_names, write_jsonl_atomic)
+from pipeline.io.storage import listing, parallel_map
 from pipeline.runtime.log import get as log
 
 PROGRESS_EVERY = 60.0  # seconds between progress lines off a terminal
@@ -53,11 +54,11 @@ def run_stage(stage: ShardStage, executor=None) -> Dict[str, Any]:
         folder.bind(fp, stage.cfg.force)  # takes the folder's lease first: one writer per folder
         config_sha = folder.start(stage.cfg)
         plan = stage.plan()
-        todo = _place(stage, plan, {"stage": stage.name, "fingerprint_sha256": fingerprint_sha256(fp),
-                                    "config_sha256": config_sha, "package_version": __version__})
+        todo, kept = _place(stage, plan, {"stage": stage.name, "fingerprint_sha256": fingerprint_sha256(fp),
+                                          "config_sha256": config_sha, "package_version": __version__})
         execution = _execute(stage, todo, executor)
         folder.check_lease()  # another run took the folder over meanwhile: publish nothing over its work
-        manifest = write_manifest(stage, plan.tasks, fp, execution.workers)
+        manifest = write_manifest(stage, plan.tasks, fp, execution.workers, kept)
         if execution.failures:
             names = [f.split(":", 1)[0] for f in execution.failures]
             log(stage.name).error(f"{len(names)} shard(s) failed: {names}; rerun `blockpilot {stage.name}` to "
@@ -108,54 +109,79 @@ def _check_rejects(stage: ShardStage, manifest: Dict[str, Any]) -> None:
                        "them (their shards are redone)")
 
 
-def _recorded_sha256(folder) -> Dict[str, str]:
-    """file -> sha256 from the folder's manifest, if any: the fallback proof for shards written before checksum
-    sidecars existed."""
+def _recorded(folder, listed: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """file -> its entry in the folder's manifest, if any, with the manifest's fingerprint: the fallback record for
+    a shard whose sidecar has no stamp (or none at all: written before sidecars existed)."""
+    if MANIFEST not in listed:
+        return {}
     try:
-        return {f["file"]: f["sha256"] for f in json.loads((folder / MANIFEST).read_text())["files"]
-                if f.get("sha256")}
+        manifest = json.loads((folder / MANIFEST).read_text())
+        return {f["file"]: {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256")} for f in manifest["files"]}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
 
-def _place(stage: ShardStage, plan: Plan, stamp: Dict[str, Any]) -> List[ShardTask]:
-    """Give every planned task its output paths and metadata stamp, write the input rejects, remove shards the
-    plan no longer has, and return the tasks whose output is not done yet (the to-do list)."""
-    rejects_dir = stage.folder / REJECTS_DIR
+def _place(stage: ShardStage, plan: Plan, meta: Dict[str, Any]) -> Tuple[List[ShardTask], Dict[str, Dict]]:
+    """Give every planned task its output paths and metadata ``meta``, write the input rejects, remove shards the
+    plan no longer has, and return the tasks whose output is not done yet (the to-do list) with the sidecars read
+    of the shards kept (name -> sidecar, for the manifest).
+
+    One listing each of the folder, its reject files and its sidecars; then, in parallel, one read of each shard's
+    sidecar and of its reject file where that is not empty. A kept shard must be the one recorded when it was
+    written: its listed size and stamp equal its sidecar's (else its manifest entry's), and it is not read; any
+    other shard is checked the full way, footer and sha256 (pipeline.io.shards.shard_problem)."""
+    rejects_dir, checksums = stage.folder / REJECTS_DIR, stage.folder / CHECKSUMS_DIR
     rejects_dir.mkdir(parents=True, exist_ok=True)
-    checksums = stage.folder / CHECKSUMS_DIR
     checksums.mkdir(parents=True, exist_ok=True)
-    if plan.rejects or (rejects_dir / INPUT_REJECTS).exists():  # only stages that reject before sharding have one
+    shards, rejected, sidecars = listing(stage.folder), listing(rejects_dir), listing(checksums)
+    if plan.rejects or INPUT_REJECTS in rejected:  # only stages that reject before sharding have one
         write_jsonl_atomic(plan.rejects, rejects_dir / INPUT_REJECTS)
     for t in plan.tasks:
         stem = t.name.rsplit(".", 1)[0]
         t.output = str(stage.folder / t.name)
         t.rejects = str(rejects_dir / (stem + ".jsonl"))
         t.checksum = str(checksums / (stem + ".json"))
-        t.metadata = {**t.metadata, **stamp}
+        t.metadata = {**t.metadata, **meta}
     planned = {t.name for t in plan.tasks}
-    for stale in list_shards(stage.folder):  # from a run with more shards (force with another shard size)
-        if stale.name not in planned:
-            stale.unlink()
-            stem = stale.name.rsplit(".", 1)[0]
+    for stale in shard_names(shards):  # from a run with more shards (force with another shard size)
+        if stale not in planned:
+            (stage.folder / stale).unlink()
+            stem = stale.rsplit(".", 1)[0]
             (rejects_dir / (stem + ".jsonl")).unlink(missing_ok=True)
             (checksums / (stem + ".json")).unlink(missing_ok=True)
-    # A kept shard must prove its bytes: the sha256 of its sidecar (written with it), else of an earlier manifest.
-    recorded = _recorded_sha256(stage.folder)
-    todo = []
-    for t in plan.tasks:
-        why = output_shard_problem(t.output, t.rows, t.rejects, stamp["fingerprint_sha256"], stage.rows_per_input,
-                                   read_checksum(t.checksum) or recorded.get(t.name), retried=RETRIED_REASONS)
-        if why:
-            todo.append(t)
-            if why != "missing":
-                log(stage.name).warning(f"{t.name}: redoing it: {why}")
+    earlier = _recorded(stage.folder, shards)
+
+    def check(t: ShardTask) -> Tuple[str, Optional[Dict[str, Any]]]:
+        if t.name not in shards:
+            return "missing", None
+        stem = t.name.rsplit(".", 1)[0]
+        side = read_sidecar(t.checksum) if stem + ".json" in sidecars else None
+        entry = earlier.get(t.name) or {}
+        sha = (side or {}).get("sha256") or entry.get("sha256")
+        # The manifest's record stands in for a sidecar without a stamp only when both describe the same write: a
+        # sidecar published for a shard that was then never written (a kill) must not let the older shard pass.
+        recorded = side if side and side.get("stamp") else entry if entry.get("sha256") == sha else None
+        rejects = read_listed_jsonl(t.rejects, rejected.get(stem + ".jsonl"))
+        why = output_shard_problem(t.output, t.rows, rejects, meta["fingerprint_sha256"], stage.rows_per_input, sha,
+                                   RETRIED_REASONS, recorded, shards[t.name])
+        # Kept: its bytes are the sidecar's, now with the stamp just listed (a shard touched since, and hashed here,
+        # is then recorded in the manifest as it is, and not hashed again).
+        return why, side and {**side, "stamp": shards[t.name]["stamp"]}
+
+    todo, kept = [], {}
+    for t, (why, side) in zip(plan.tasks, parallel_map(check, plan.tasks)):
+        if not why:
+            kept[t.name] = side
+            continue
+        todo.append(t)
+        if why != "missing":
+            log(stage.name).warning(f"{t.name}: redoing it: {why}")
     described = f"{stage.describe()}: " if stage.describe() else ""
     # Shown where it says something: a stage that describes its work (label, tune, evaluate), or a rerun that keeps
     # shards; a fresh in-process stage (prepare) goes straight to its done line, which counts the same shards.
     say = log(stage.name).info if described or len(todo) < len(plan.tasks) else log(stage.name).debug
     say(f"{described}{len(todo)}/{len(plan.tasks)} shards ({sum(t.rows for t in todo)} {stage.unit}) to do")
-    return todo
+    return todo, kept
 
 
 def _execute(stage: ShardStage, todo: List[ShardTask], executor) -> Execution:

@@ -21,7 +21,7 @@ from pipeline.io.shards import (
     write_json_atomic,
     write_text_atomic,
 )
-from pipeline.io.storage import location, rmtree
+from pipeline.io.storage import listing, location, parallel_map, rmtree
 from pipeline.runtime.log import get as log
 
 STANDARD_OUTPUTS = (MANIFEST, REJECTS, SUMMARY, CARD, SUCCESS)
@@ -67,8 +67,11 @@ class StageFolder:
                 or any((self.path / p).exists() for p in self.extra_outputs))
 
     def previous_summary(self, fingerprint: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        """The summary of a complete run with this fingerprint whose shards are all still intact (footer, rows and
-        the manifest's sha256: a damaged data page has a good footer), else None."""
+        """The summary of a complete run with this fingerprint whose shards are all still the ones its manifest
+        lists, else None. One listing of the folder proves each shard whose size and stamp equal its entry's
+        (pipeline.io.shards.stamp_matches) without reading it; only a shard that differs is read and checked the
+        full way, footer, rows and sha256 (a damaged data page has a good footer). What this cannot see, and
+        `blockpilot validate` can: pipeline.io.shards' module docstring."""
         if fingerprint is None or not is_complete(self.path):
             return None
         try:
@@ -78,9 +81,14 @@ class StageFolder:
             manifest_path = self.path / MANIFEST
             if manifest_path.exists():
                 manifest = json.loads(manifest_path.read_text())
-                sha = fingerprint_sha256(fingerprint)
-                if any(shard_problem(self.path / f["file"], f["rows"], sha, f.get("sha256"))
-                       for f in manifest["files"]):
+                sha, listed = fingerprint_sha256(fingerprint), listing(self.path)
+
+                def problem(f: Dict[str, Any]) -> str:
+                    recorded = {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256")}
+                    return shard_problem(self.path / f["file"], f["rows"], sha, f.get("sha256"), recorded,
+                                         listed.get(f["file"]))
+
+                if any(parallel_map(problem, manifest["files"])):
                     return None
         except Exception:  # noqa: BLE001 - anything unreadable means: not complete, redo what is needed
             return None

@@ -12,6 +12,10 @@ same for both; this module holds only what differs:
   file objects are not used for outputs, because closing one after an error would publish a partial object.
 * **Recursive deletes**, and a ``pyarrow.fs`` view of the same filesystem for Ray Data and Ray Train
   (``storage_filesystem``), so that every reader and writer goes through one configured client.
+* **What a listing says** (:func:`listing`, :func:`stamp`): each object's size and *stamp*, a value that changes
+  whenever the object is rewritten (locally ``st_mtime_ns``; in an object store its ``ETag``), so that the driver's
+  bookkeeping can tell that a shard is the one a sidecar or manifest describes from one listing of the folder,
+  without reading it; and :func:`parallel_map`, the one pool through which the driver's remaining per-shard reads go.
 * **A failing store, in one line** (:func:`store_failure`): what the command line prints when the store stays down
   or keeps failing past the client's retries, naming the store's endpoint and the folder, instead of a traceback.
 
@@ -33,8 +37,9 @@ import io
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -179,6 +184,63 @@ def read_table(path, columns=None) -> pa.Table:
 def size(path) -> int:
     path = location(path)
     return int(path.fs.size(path.path)) if is_remote(path) else path.stat().st_size
+
+
+# ---- listings and the driver's parallel reads --------------------------------------------------------------------
+
+# How many per-shard reads (sidecars, reject files, footers) the driver keeps in flight. Each is one small request
+# that mostly waits on the store (20-50 ms on S3), so 15,625 shards x 30 ms, 8 minutes one after another, take
+# about 15 s at 32; s3fs (one event loop behind a thread-safe sync API) and pyarrow's readers are safe to call from
+# threads for reads, and more than this only queues on the client's connection pool (botocore's default is 10-50).
+PARALLEL_READS = 32
+
+# The keys that say an object was rewritten, by client: s3fs 'ETag' (a new object always gets a new one; for a
+# single PUT the MD5 of its bytes), gcsfs and adlfs 'etag', gcsfs also 'generation'. None of them: no stamp, and
+# every check of that object reads it.
+STAMP_KEYS = ("ETag", "etag", "generation")
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Iterable[Any]) -> List[Any]:
+    """``[fn(x) for x in items]``, at most :data:`PARALLEL_READS` at a time, in order; the first error is raised."""
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(PARALLEL_READS, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _remote_stamp(info: Dict[str, Any]) -> str:
+    return next((str(info[k]) for k in STAMP_KEYS if info.get(k)), "")
+
+
+def listing(folder) -> Dict[str, Dict[str, Any]]:
+    """``{name: {"size", "stamp"}}`` of the files directly in ``folder``, from ONE listing ({} when it does not
+    exist): ``os.scandir`` locally (stamp ``st_mtime_ns``), ``fs.ls(detail=True)`` in an object store (stamp the
+    ETag; a paged listing, 1,000 keys a request on S3, but no request per object)."""
+    folder = location(folder)
+    try:
+        if is_remote(folder):
+            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: {"size": int(e.get("size") or 0),
+                                                                "stamp": _remote_stamp(e)}
+                    for e in folder.fs.ls(folder.path, detail=True) if e.get("type") != "directory"}
+        with os.scandir(folder) as entries:
+            return {e.name: _local_stamp(e.stat()) for e in entries if e.is_file()}
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+
+
+def _local_stamp(st: os.stat_result) -> Dict[str, Any]:
+    return {"size": st.st_size, "stamp": str(st.st_mtime_ns)}
+
+
+def stamp(path) -> Dict[str, Any]:
+    """``{"size", "stamp"}`` of one file, as :func:`listing` gives it (one stat, or one HEAD): what the writer of a
+    shard records once it is published."""
+    path = location(path)
+    if is_remote(path):
+        info = path.fs.info(path.path)
+        return {"size": int(info["size"]), "stamp": _remote_stamp(info)}
+    return _local_stamp(path.stat())
 
 
 def arrow_filesystem(path) -> Tuple[Any, str]:

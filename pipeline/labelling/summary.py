@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.io.shards import decode_metadata
-from pipeline.io.storage import parquet_file, read_table
+from pipeline.io.storage import parallel_map, parquet_file, read_table
 from pipeline.policy.cost import CostProfile
 
 SUMMARY_COLUMNS = ["candidates", "tau", "label_block_size", "label_speedup_block_size"]
@@ -81,11 +81,16 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
     rows is pooled: their raw points refitted together (CostProfile.from_raw). One worker's start-up profile on a
     busy 2-core machine pins the verify slope to about +-25 % (bootstrap over its points); it is what moves the
     train-chosen b and every modelled gain between runs of the same labels, and two workers' points halve its
-    variance for free. Workers on other machines stay out: their seconds are another machine's."""
+    variance for free. Workers on other machines stay out: their seconds are another machine's.
+
+    The footers are read in parallel (pipeline.io.storage.parallel_map): one after another, 15,625 of them in an
+    object store cost minutes before _SUCCESS. The sidecars' statistics do not carry the profile: it would be
+    copied into every shard's sidecar, and the manifest step reads those one each."""
     rows: Dict[str, int] = Counter()
     profiles: Dict[str, Dict[str, Any]] = {}
-    for f in manifest["files"]:
-        meta = decode_metadata(parquet_file(folder / f["file"]).schema_arrow.metadata)
+    metas = parallel_map(lambda f: decode_metadata(parquet_file(folder / f["file"]).schema_arrow.metadata),
+                         manifest["files"])
+    for f, meta in zip(manifest["files"], metas):
         if "cost_profile" in meta:
             key = json.dumps(meta["cost_profile"].get("seconds"), sort_keys=True)
             profiles[key] = meta["cost_profile"]

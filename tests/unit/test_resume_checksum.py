@@ -66,8 +66,10 @@ def test_a_flipped_byte_before_any_manifest_is_caught_by_the_shards_own_checksum
     fp = fingerprint_of(out)
     (out / "manifest.json").unlink()  # as if killed before the driver wrote it
     sidecar = json.loads((out / CHECKSUMS_DIR / "part-00000.json").read_text())
+    shard = (out / "part-00000.parquet").stat()
     assert sidecar == {"file": "part-00000.parquet", "sha256": file_sha256(out / "part-00000.parquet"),
-                       "bytes": (out / "part-00000.parquet").stat().st_size, "rows": 3, "stats": None}
+                       "bytes": shard.st_size, "rows": 3, "stats": None, "fingerprint_sha256": fp,
+                       "stamp": str(shard.st_mtime_ns)}  # the stamp: written once the shard was published
     flip_a_data_byte(out / "part-00000.parquet")
     assert shard_intact(out / "part-00000.parquet", 3, fp)
     rerun = Squares(cfg_for(), inputs, out)

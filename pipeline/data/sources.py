@@ -1,5 +1,5 @@
-"""Prompt sources: opening every source kind (file readers in :mod:`pipeline.data.readers`) and :func:`build_prompts`,
-shared by ``prepare`` and ``evaluate``.
+"""Prompt sources: opening every source kind (file readers in :mod:`pipeline.data.readers`) and :func:`stream_prompts`
+(one row at a time; :func:`build_prompts`: in one list), shared by ``prepare`` and ``evaluate``.
 
 Free of Ray: plain Python over files, ``datasets`` and the bundled sets.
 
@@ -247,7 +247,7 @@ def open_source(src: SourceConfig) -> _Opened:
     return opened
 
 
-# ---- build_prompts -----------------------------------------------------------------------------------------------
+# ---- build_prompts / stream_prompts ----------------------------------------------------------------------------------
 
 
 def effective_limit(src: SourceConfig, limit: Optional[int]) -> Optional[int]:
@@ -268,30 +268,54 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
                   section: str = "prepare", log: Optional[Callable[[str], None]] = None,
                   debug: Optional[Callable[[str], None]] = None,
                   require_any: bool = True) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Any]]:
-    """Read every source and build the prompt rows.
+    """Read every source and build the prompt rows: :func:`stream_prompts`' rows in one list (for the few prompts of
+    tests and benchmarks; prepare streams them)."""
+    rows, rejects, stats = stream_prompts(sources, tokenizer, max_prompt_tokens, apply_chat_template,
+                                          enable_thinking, limit, section=section, log=log, debug=debug,
+                                          require_any=require_any)
+    return list(rows), rejects, stats
 
-    Returns ``(rows, rejects, stats)``: ``rows`` are dicts with exactly the columns of
-    ``pipeline.data.schemas.PROMPTS_SCHEMA`` (sources in the given order, rows in source order); ``rejects`` are dicts
-    ``{source, source_row, prompt_id, reason, detail, file}``; ``stats`` holds per-source counts
-    (``read``, ``accepted``, ``rejected``, ``duplicates``, ``rejects_by_reason``, ``limit``, ``limit_reached``,
-    ``files``, ``empty_files``), ``rejects_by_reason``, ``rejects_by_source``, ``duplicates`` and ``notes``.
 
-    Every source is validated and opened before any row is read. ``limit`` caps the ACCEPTED prompts of each
-    source (a source's own ``limit`` wins when smaller). Raises ``ValueError`` when nothing is accepted and
-    ``require_any``.
+def stream_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens: int,
+                   apply_chat_template: bool = True, enable_thinking: bool = False, limit: Optional[int] = None, *,
+                   section: str = "prepare", log: Optional[Callable[[str], None]] = None,
+                   debug: Optional[Callable[[str], None]] = None,
+                   require_any: bool = True) -> Tuple[Iterator[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Any]]:
+    """Read every source and build the prompt rows, one at a time: a million prompts (their token ids and text, many
+    GB) are never held at once, only a set of their ids (the duplicate check).
+
+    Returns ``(rows, rejects, stats)``: ``rows`` iterates dicts with exactly the columns of
+    ``pipeline.data.schemas.PROMPTS_SCHEMA`` (sources in the given order, rows in source order); ``rejects`` (dicts
+    ``{source, source_row, prompt_id, reason, detail, file}``) and ``stats`` fill as ``rows`` is read and are
+    complete once it is exhausted. ``stats`` holds per-source counts (``read``, ``accepted``, ``rejected``,
+    ``duplicates``, ``rejects_by_reason``, ``limit``, ``limit_reached``, ``files``, ``empty_files``),
+    ``rejects_by_reason``, ``rejects_by_source``, ``duplicates``, ``notes``, ``prompts`` (accepted in all) and
+    ``longest_prompt`` (the most ``prompt_tokens`` of any, 0 for none: what the decoding stages' memory plans are
+    sized for, recorded by prepare so that no worker reads every shard for it).
+
+    Every source is validated and opened before this returns (before any row is read). ``limit`` caps the ACCEPTED
+    prompts of each source (a source's own ``limit`` wins when smaller). Exhausting ``rows`` raises ``ValueError``
+    when nothing is accepted and ``require_any``.
     """
-    from pipeline.data.chat import format_prompt
-
     log = log or (lambda msg: None)
     debug = debug or (lambda msg: None)
     validate_sources(sources, section)
     opened = [open_source(src) for src in sources]
-
-    rows: List[Dict[str, Any]] = []
     rejects: List[Dict[str, Any]] = []
-    seen: set = set()
-    by_reason: Counter = Counter()
     stats: Dict[str, Any] = {"sources": {}, "notes": []}
+    settings = (tokenizer, max_prompt_tokens, apply_chat_template, enable_thinking)
+    return _rows(opened, settings, limit, rejects, stats, log, debug, require_any), rejects, stats
+
+
+def _rows(opened: List[_Opened], settings: Tuple[Any, int, bool, bool], limit: Optional[int],
+          rejects: List[Dict[str, Any]], stats: Dict[str, Any], log: Callable[[str], None],
+          debug: Callable[[str], None], require_any: bool) -> Iterator[Dict[str, Any]]:
+    from pipeline.data.chat import format_prompt
+
+    tokenizer, max_prompt_tokens, apply_chat_template, enable_thinking = settings
+    seen: set = set()  # prompt ids as ints (96 bits): about half the memory of their hex strings, at 1M prompts
+    by_reason: Counter = Counter()
+    total = longest = 0
 
     for op in opened:
         src = op.src
@@ -324,21 +348,24 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
                 reject(Reject(*problem, rec.row, rec.file))
                 continue
             pid = prompt_id(src.name, text)
-            if pid in seen:
+            key = int(pid, 16)
+            if key in seen:
                 reject(Reject("duplicate", "same prompt_id as an earlier prompt", rec.row, rec.file, pid))
                 continue
-            seen.add(pid)
+            seen.add(key)
             prompt = format_prompt(tokenizer, text, apply_chat_template, enable_thinking)
             ids = list(tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"])
             if len(ids) > max_prompt_tokens:
                 reject(Reject("too_long", f"{len(ids)} tokens > max_prompt_tokens {max_prompt_tokens}", rec.row,
                               rec.file, pid))
                 continue
-            rows.append({"prompt_id": pid, "source": src.name, "source_row": int(rec.row), "text": text,
-                         "prompt": prompt, "input_ids": ids, "prompt_tokens": len(ids)})
+            yield {"prompt_id": pid, "source": src.name, "source_row": int(rec.row), "text": text,
+                   "prompt": prompt, "input_ids": ids, "prompt_tokens": len(ids)}
             accepted += 1
+            longest = max(longest, len(ids))
 
         by_reason.update(s_reasons)
+        total += accepted
         limit_reached = cap is not None and accepted >= cap
         stats["sources"][src.name] = {
             "kind": src.kind, "path": src.path, "read": read, "accepted": accepted,
@@ -362,8 +389,8 @@ def build_prompts(sources: Sequence[SourceConfig], tokenizer, max_prompt_tokens:
     stats["rejects_by_reason"] = dict(sorted(by_reason.items()))
     stats["rejects_by_source"] = {name: s["rejected"] for name, s in stats["sources"].items()}
     stats["duplicates"] = by_reason.get("duplicate", 0)
-    if require_any and not rows:
+    stats["prompts"], stats["longest_prompt"] = total, longest
+    if require_any and not total:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "no rows at all"
-        raise ValueError(f"no prompt accepted from {len(sources)} source(s) "
-                         f"({', '.join(s.name for s in sources)}); rejects: {reasons}")
-    return rows, rejects, stats
+        raise ValueError(f"no prompt accepted from {len(opened)} source(s) "
+                         f"({', '.join(op.src.name for op in opened)}); rejects: {reasons}")

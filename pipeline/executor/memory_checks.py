@@ -3,7 +3,8 @@ preflight, the batch ``label.batch_size: auto`` fills, and how many engines eval
 
 Every budget is :func:`budget`: ``label.memory_gb`` when set, else 90 % of the device's memory (a GPU's total: the
 plan counts the weights itself; on CPU the host's available memory). The prompts' length is the longest the stage
-will decode (its prompt shards' ``prompt_tokens``), else ``prepare.max_prompt_tokens``.
+will decode (``stages.decoding.DecodingStage.longest_prompt``: what prepare recorded in the prompts' manifest, one
+small read in the timed preflight, not one of every shard), else ``prepare.max_prompt_tokens``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any, Dict
 
 from pipeline.executor.manifest import MANIFEST_VERSION
 from pipeline.io.layout import (CARD, CHECKSUMS_DIR, FINGERPRINT, INPUT_REJECTS, LEASE, LEASE_LOCK, MANIFEST, REJECTS,
-                                REJECTS_DIR, SUCCESS, SUMMARY)
+                                REJECTS_DIR, STAMPS, SUCCESS, SUMMARY)
 
 
 def content_sha256(manifest: Dict[str, Any]) -> str:
@@ -47,7 +47,8 @@ LAYOUT_DOC = f"""## Folder layout (every stage)
 | --- | --- |
 | `part-NNNNN.parquet` | the output shards; `part-N` is made from input shard `part-N` where the stage has input shards |
 | `{REJECTS_DIR}/part-NNNNN.jsonl` | rows of shard N that were rejected, written just before the shard |
-| `{CHECKSUMS_DIR}/part-NNNNN.json` | shard N's `sha256` and `bytes`, written just before the shard; a rerun keeps a shard only if its bytes match |
+| `{CHECKSUMS_DIR}/part-NNNNN.json` | shard N's `sha256` and `bytes`, written just before the shard, then again with its `stamp` once it is published; a rerun keeps a shard whose listed size and stamp are the recorded ones without reading it, and reads and hashes any other (`blockpilot validate` hashes every shard) |
+| `{STAMPS}` | each listed shard's `stamp` as last listed (size and mtime on a disk, the ETag in object storage): what a rerun of a complete folder checks instead of reading every shard |
 | `{LEASE}` | present while a run writes the folder: its host, pid, start and heartbeat; a second run refuses while it lives |
 | `{LEASE_LOCK}` | empty; on a local disk, serialises lease takeovers and heartbeats |
 | `{REJECTS_DIR}/{INPUT_REJECTS}` | rows rejected before sharding (prepare: bad source rows) |

@@ -27,8 +27,8 @@ from pipeline.executor.manifest import write_manifest
 from pipeline.executor.progress import Progress
 from pipeline.executor.stage import Plan, ShardStage, ShardTask
 from pipeline.io.layout import CHECKSUMS_DIR, INPUT_REJECTS, MANIFEST, REJECTS, REJECTS_DIR
-from pipeline.io.shards import (fingerprint_sha256, output_shard_problem, read_jsonl, read_listed_jsonl,
-                                read_sidecar, shard_names, write_jsonl_atomic)
+from pipeline.io.shards import (fingerprint_sha256, output_shard_problem, read_jsonl, read_listed_jsonl, read_sidecar,
+                                recorded_stamps, shard_names, write_jsonl_atomic)
 from pipeline.io.storage import listing, parallel_map
 from pipeline.runtime.log import get as log
 
@@ -110,13 +110,16 @@ def _check_rejects(stage: ShardStage, manifest: Dict[str, Any]) -> None:
 
 
 def _recorded(folder, listed: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """file -> its entry in the folder's manifest, if any, with the manifest's fingerprint: the fallback record for
-    a shard whose sidecar has no stamp (or none at all: written before sidecars existed)."""
+    """file -> its entry in the folder's manifest, if any, with the manifest's fingerprint and the stamp it was last
+    listed with: the fallback record for a shard whose sidecar has no stamp (or none at all: written before sidecars
+    existed)."""
     if MANIFEST not in listed:
         return {}
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        return {f["file"]: {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256")} for f in manifest["files"]}
+        stamps = recorded_stamps(folder, listed)
+        return {f["file"]: {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256"),
+                            "stamp": stamps.get(f["file"])} for f in manifest["files"]}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 

@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 from pipeline.executor.lease import Lease
-from pipeline.io.layout import CARD, CHECKSUMS_DIR, FINGERPRINT, MANIFEST, REJECTS, REJECTS_DIR, SUCCESS, SUMMARY
+from pipeline.io.layout import (CARD, CHECKSUMS_DIR, FINGERPRINT, MANIFEST, REJECTS, REJECTS_DIR, STAMPS, SUCCESS,
+                                SUMMARY)
 from pipeline.io.shards import (
     check_fingerprint,
     fingerprint_sha256,
     is_complete,
     list_shards,
     normalise,
+    recorded_stamps,
     shard_problem,
     write_json_atomic,
     write_text_atomic,
@@ -24,7 +26,7 @@ from pipeline.io.shards import (
 from pipeline.io.storage import listing, location, parallel_map, rmtree
 from pipeline.runtime.log import get as log
 
-STANDARD_OUTPUTS = (MANIFEST, REJECTS, SUMMARY, CARD, SUCCESS)
+STANDARD_OUTPUTS = (MANIFEST, STAMPS, REJECTS, SUMMARY, CARD, SUCCESS)
 
 
 class StageFolder:
@@ -82,9 +84,11 @@ class StageFolder:
             if manifest_path.exists():
                 manifest = json.loads(manifest_path.read_text())
                 sha, listed = fingerprint_sha256(fingerprint), listing(self.path)
+                stamps = recorded_stamps(self.path, listed)
 
                 def problem(f: Dict[str, Any]) -> str:
-                    recorded = {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256")}
+                    recorded = {**f, "fingerprint_sha256": manifest.get("fingerprint_sha256"),
+                                "stamp": stamps.get(f["file"])}
                     return shard_problem(self.path / f["file"], f["rows"], sha, f.get("sha256"), recorded,
                                          listed.get(f["file"]))
 

@@ -1,5 +1,5 @@
-"""The one manifest format (``manifest.json``), written after a stage's last shard; the only writer of manifests
-and of the gathered ``rejects.jsonl``."""
+"""The one manifest format (``manifest.json``), written after a stage's last shard; the only writer of manifests,
+of the gathered ``rejects.jsonl`` and of the shards' stamps (``_stamps.json``, pipeline.io.layout.STAMPS)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
 from pipeline.executor.stage import ShardStage, ShardTask
-from pipeline.io.layout import CHECKSUMS_DIR, INPUT_REJECTS, MANIFEST, REJECTS, REJECTS_DIR
+from pipeline.io.layout import CHECKSUMS_DIR, INPUT_REJECTS, MANIFEST, REJECTS, REJECTS_DIR, STAMPS
 from pipeline.io.shards import (
     file_sha256,
     fingerprint_sha256,
@@ -40,28 +40,28 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
     shards, rejected, sidecars = listing(folder), listing(folder / REJECTS_DIR), listing(folder / CHECKSUMS_DIR)
     present = [t for t in tasks if t.name in shards]
 
-    def entry(t: ShardTask) -> Tuple[Dict[str, Any], List[Dict[str, Any]], Any]:
+    def entry(t: ShardTask) -> Tuple[Dict[str, Any], List[Dict[str, Any]], Any, Any]:
         p, stem = location(t.output), t.name.rsplit(".", 1)[0]
         shard_rejects = read_listed_jsonl(t.rejects, rejected.get(stem + ".jsonl"))
         # The sidecar, written with the shard (and checked against it when resume kept it), carries what this
         # entry needs: no shard is read again here (a million label rows at V = 151,936 are ~250 GB).
         side = kept.get(t.name) or (read_sidecar(t.checksum) if stem + ".json" in sidecars else None)
         if side and side.get("file") == p.name and side.get("rows") is not None:
-            record = {"rows": int(side["rows"]), "bytes": int(side["bytes"]), "sha256": side["sha256"],
-                      "stamp": side.get("stamp")}
+            record = {"rows": int(side["rows"]), "bytes": int(side["bytes"]), "sha256": side["sha256"]}
+            stamp = side.get("stamp")
             stats = side.get("stats")
         else:  # a shard written before sidecars carried rows: read it (its stamp: this listing's, of these bytes)
             record = {"rows": parquet_file(p).metadata.num_rows, "bytes": shards[t.name]["size"],
-                      "sha256": file_sha256(p), "stamp": shards[t.name]["stamp"]}
-            stats = None
+                      "sha256": file_sha256(p)}
+            stamp, stats = shards[t.name]["stamp"], None
         return ({"file": p.name, **record, "rejects": len(shard_rejects), "input_rows": t.rows}, shard_rejects,
-                stats)
+                stats, stamp)
 
     entries = parallel_map(entry, present)
-    files = [f for f, _, _ in entries]
-    stats = [st for _, _, st in entries]
+    files = [f for f, _, _, _ in entries]
+    stats = [st for _, _, st, _ in entries]
     rejects = read_listed_jsonl(folder / REJECTS_DIR / INPUT_REJECTS, rejected.get(INPUT_REJECTS))
-    rejects += [r for _, shard_rejects, _ in entries for r in shard_rejects]
+    rejects += [r for _, shard_rejects, _, _ in entries for r in shard_rejects]
     write_jsonl_atomic(rejects, folder / REJECTS)
     if MANIFEST in shards:
         try:
@@ -82,6 +82,8 @@ def write_manifest(stage: ShardStage, tasks: List[ShardTask], fingerprint: Dict[
         "summary": _summary(stage, present, stats),
         **stage.manifest_extras(),
     }
+    # the stamps first: a manifest never lists a shard whose stamp a later skip check could not find
+    write_json_atomic({f["file"]: stamp for f, _, _, stamp in entries}, folder / STAMPS)
     write_json_atomic(manifest, folder / MANIFEST)
     return manifest
 

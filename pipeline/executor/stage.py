@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import pyarrow as pa
 
 from pipeline.io.layout import MANIFEST
-from pipeline.io.shards import same_object, shard_name, shard_names
+from pipeline.io.shards import recorded_stamps, same_object, shard_name, shard_names
 from pipeline.io.storage import listing, location, parallel_map, parquet_file
 
 
@@ -184,8 +184,9 @@ def tasks_from_shards(folder: Path) -> List[ShardTask]:
     rows = {}
     if MANIFEST in listed:
         try:
-            manifest = json.loads((folder / MANIFEST).read_text())
-            rows = {f["file"]: int(f["rows"]) for f in manifest["files"] if same_object(f, listed.get(f["file"]))}
+            manifest, stamps = json.loads((folder / MANIFEST).read_text()), recorded_stamps(folder, listed)
+            rows = {f["file"]: int(f["rows"]) for f in manifest["files"]
+                    if same_object({**f, "stamp": stamps.get(f["file"])}, listed.get(f["file"]))}
         except (OSError, ValueError, KeyError, TypeError):
             rows = {}
     unread = [n for n in names if n not in rows]

@@ -23,6 +23,10 @@ REJECTS = "rejects.jsonl"  # every reject of the stage, in one file
 REJECTS_DIR = "_rejects"  # per-shard reject files; the leading underscore keeps Parquet globs out of it
 INPUT_REJECTS = "input.jsonl"  # rows rejected before sharding (prepare's bad source rows)
 CHECKSUMS_DIR = "_checksums"  # part-NNNNN.json: each shard's sha256, published just before the shard itself
+# {file: stamp} of the shards the manifest lists, as last listed (pipeline.io.storage.listing): kept apart from
+# manifest.json, which must stay the same bytes for the same shards (label fingerprints prepare's), while a stamp
+# (an mtime on a local disk) differs with every write of the same bytes
+STAMPS = "_stamps.json"
 LEASE = "_lease.json"  # the one writer's lease: host, pid, start, heartbeat (pipeline.executor.lease)
 LEASE_LOCK = "_lease.lock"  # local folders only: serialises lease takeovers and heartbeats (flock)
 

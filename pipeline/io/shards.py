@@ -46,7 +46,7 @@ def decode_metadata(raw: Optional[Dict[bytes, bytes]]) -> Dict[str, Any]:
     return out
 
 
-from pipeline.io.layout import FINGERPRINT, MANIFEST, SUCCESS  # noqa: E402,F401 - the shard folder's names
+from pipeline.io.layout import FINGERPRINT, MANIFEST, STAMPS, SUCCESS  # noqa: E402,F401 - the shard folder's names
 
 
 def shard_name(index: int, suffix: str = ".parquet") -> str:
@@ -282,3 +282,13 @@ def labels_revisions(labels) -> Dict[str, str]:
         return {}
     fp = json.loads(path.read_text())
     return {k: fp[k] for k in ("target_revision", "draft_revision") if fp.get(k)}
+
+
+def recorded_stamps(folder, listed: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """file -> stamp from the folder's ``_stamps.json`` ({} without one: every shard is then checked the full way)."""
+    if STAMPS not in listed:
+        return {}
+    try:
+        return dict(json.loads((location(folder) / STAMPS).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}

@@ -125,6 +125,22 @@ def test_a_changed_shard_is_read_and_then_recorded_as_it_is(tmp_path, inputs, mo
     assert calls.hashed == []
 
 
+def test_a_shard_redone_with_the_same_bytes_leaves_the_manifest_byte_for_byte_the_same(tmp_path, inputs):
+    """label fingerprints prepare's manifest.json: a prepare rerun that redoes a lost shard (same rows, same bytes)
+    must write the same manifest, or label refuses its own folder. The stamps (a new mtime on every write) live in
+    _stamps.json beside it; with them in the manifest's entries this failed."""
+    out = tmp_path / "squares"
+    run(StatSquares(cfg_for(), inputs, out))
+    manifest, stamps = (out / "manifest.json").read_bytes(), json.loads((out / "_stamps.json").read_text())
+    (out / "part-00001.parquet").unlink()
+    again = StatSquares(cfg_for(), inputs, out)
+    run(again)
+    assert again.calls == ["part-00001.parquet"]
+    assert (out / "manifest.json").read_bytes() == manifest
+    now = json.loads((out / "_stamps.json").read_text())
+    assert sorted(now) == sorted(stamps) and now["part-00001.parquet"] != stamps["part-00001.parquet"]
+
+
 def test_in_s3_the_stamp_is_the_etag_and_a_resume_hashes_no_kept_shard(s3_bucket, monkeypatch):
     """The same in object storage: the sidecar's stamp (a HEAD after the PUT) is the ETag the folder's listing
     gives, shard names of any width are listed in index order, and a resume after a kill reads no kept shard."""

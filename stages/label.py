@@ -345,7 +345,8 @@ class LabelStage(DecodingStage):
         batching = {**batches.counts(), **self.continuation.counts(continuations)} \
             if batches is not None and not self.uses_vllm else batches.counts() if batches is not None else {}
         return label_table(rows, self.models.vocab_size, {**self.shard_metadata(), "batching": batching,
-                                                          "continuations": continuations})
+                                                          "continuations": continuations,
+                                                          "input_shard": location(input).name})
 
     def parquet_options(self, table: pa.Table) -> Dict[str, Any]:
         return parquet_options(table)
@@ -363,8 +364,13 @@ class LabelStage(DecodingStage):
     def shard_stats(self, table: pa.Table) -> Dict[str, Any]:
         from pipeline.io.shards import decode_metadata
 
-        batching = decode_metadata(table.schema.metadata).get("batching") or {}
-        return {**label_shard_stats(table.select(SUMMARY_COLUMNS)), "batching": batching}
+        from pipeline.labelling.summary import profile_key
+
+        meta = decode_metadata(table.schema.metadata)
+        # which worker profile the shard carries (finalize then reads one footer per profile, not every shard's)
+        profile = {"cost_profile": {"key": profile_key(meta["cost_profile"]), "shard": meta.get("input_shard")}} \
+            if table.num_rows and "cost_profile" in meta else {}
+        return {**label_shard_stats(table.select(SUMMARY_COLUMNS)), "batching": meta.get("batching") or {}, **profile}
 
     def merge_stats(self, stats: List[Dict[str, Any]]) -> Dict[str, Any]:
         summary = merge_label_stats(stats)

@@ -54,7 +54,15 @@ def merge_label_stats(stats: List[Dict[str, Any]]) -> Dict[str, Any]:
     batching = Counter()
     for s in stats:
         batching.update(s.get("batching") or {})
+    profiles: Dict[str, Dict[str, Any]] = {}
+    for s in stats:  # each worker profile's rows and one shard that carries it (chosen_cost_profile reads that one)
+        p = s.get("cost_profile") or {}
+        if p.get("key") and p.get("shard"):
+            seen = profiles.setdefault(p["key"], {"rows": 0, "shard": p["shard"]})
+            seen["rows"] += s["rows"]
+    known = len(profiles) and all((s.get("cost_profile") or {}).get("shard") for s in stats)
     return {
+        **({"cost_profiles": profiles} if known else {}),
         "candidates": candidates,
         # label.batch_size's cost: batches run, failed (out of memory among them), prompts retried alone
         "batching": dict(batching),
@@ -72,6 +80,11 @@ def machine_of(profile: Dict[str, Any]) -> str:
     return json.dumps({k: profile.get(k) for k in keys}, sort_keys=True, default=str)
 
 
+def profile_key(profile: Dict[str, Any]) -> str:
+    """What tells two workers' profiles apart: their measured seconds."""
+    return json.dumps(profile.get("seconds"), sort_keys=True)
+
+
 def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tuple[CostProfile, int, int]]:
     """The folder's cost profile, how many distinct worker profiles the shards hold (each shard's metadata keeps its
     worker's, ``blockpilot.cost_profile``; workers are told apart by their measured seconds) and how many were
@@ -83,16 +96,18 @@ def chosen_cost_profile(folder: Path, manifest: Dict[str, Any]) -> Optional[Tupl
     train-chosen b and every modelled gain between runs of the same labels, and two workers' points halve its
     variance for free. Workers on other machines stay out: their seconds are another machine's.
 
-    The footers are read in parallel (pipeline.io.storage.parallel_map): one after another, 15,625 of them in an
-    object store cost minutes before _SUCCESS. The sidecars' statistics do not carry the profile: it would be
-    copied into every shard's sidecar, and the manifest step reads those one each."""
+    One footer per worker profile is read: the shards' statistics (merge_label_stats' ``cost_profiles``) say which
+    profile each carries and one shard of each, so at 15,625 shards and 64 workers the driver reads 64 footers
+    before _SUCCESS, not 15,625 (a minute or more of an object store's round trips even in parallel). A folder whose
+    statistics lack it (written before) has every footer read, in parallel (pipeline.io.storage.parallel_map)."""
     rows: Dict[str, int] = Counter()
     profiles: Dict[str, Dict[str, Any]] = {}
-    metas = parallel_map(lambda f: decode_metadata(parquet_file(folder / f["file"]).schema_arrow.metadata),
-                         manifest["files"])
-    for f, meta in zip(manifest["files"], metas):
+    known = (manifest.get("summary") or {}).get("cost_profiles")
+    files = [{"file": p["shard"], "rows": p["rows"]} for p in known.values()] if known else manifest["files"]
+    metas = parallel_map(lambda f: decode_metadata(parquet_file(folder / f["file"]).schema_arrow.metadata), files)
+    for f, meta in zip(files, metas):
         if "cost_profile" in meta:
-            key = json.dumps(meta["cost_profile"].get("seconds"), sort_keys=True)
+            key = profile_key(meta["cost_profile"])
             profiles[key] = meta["cost_profile"]
             rows[key] += f["rows"]
     if not profiles:

@@ -65,3 +65,28 @@ def test_one_worker_is_its_own_profile(tmp_path):
     got, seen, pooled = chosen_cost_profile(tmp_path, {"files": files})
     assert (seen, pooled) == (1, 1) and got.seconds == pytest.approx(CostProfile.from_dict(a).seconds)
     assert chosen_cost_profile(tmp_path, {"files": []}) is None
+
+
+def test_finalize_reads_one_footer_per_worker_profile_named_by_the_shards_statistics(tmp_path, monkeypatch):
+    """Issue #66: at 15,625 shards the driver read every shard's footer for the profile before _SUCCESS. The
+    shards' statistics (merge_label_stats' cost_profiles: each profile's rows and one shard carrying it) let it read
+    one footer per worker; the result is the every-footer one. Fails when chosen_cost_profile reads every footer."""
+    import pipeline.labelling.summary as summary
+
+    a, b = profile(0, 1e-4), profile(1, 1.5e-4)
+    files = [write(tmp_path, f"part-{i:05d}.parquet", a if i % 3 else b, 8) for i in range(30)]
+    stats = [{"rows": 8, "candidates": [1], "labels": {}, "speed_labels": {}, "tau_sum": [1.0],
+              "cost_profile": {"key": summary.profile_key(a if i % 3 else b), "shard": f["file"]}}
+             for i, f in enumerate(files)]
+    merged = summary.merge_label_stats(stats)
+    assert merged["cost_profiles"] == {summary.profile_key(a): {"rows": 160, "shard": "part-00001.parquet"},
+                                       summary.profile_key(b): {"rows": 80, "shard": "part-00000.parquet"}}
+    every = chosen_cost_profile(tmp_path, {"files": files})
+    read = []
+    real = summary.parquet_file
+    monkeypatch.setattr(summary, "parquet_file", lambda p: read.append(p.name) or real(p))
+    got, seen, pooled = chosen_cost_profile(tmp_path, {"files": files, "summary": merged})
+    assert sorted(read) == ["part-00000.parquet", "part-00001.parquet"]
+    assert (seen, pooled) == every[1:] == (2, 2) and got.seconds == pytest.approx(every[0].seconds)
+    # A shard without the statistic (written before it existed): no cost_profiles, every footer read as before.
+    assert "cost_profiles" not in summary.merge_label_stats([*stats, {**stats[0], "cost_profile": None}])

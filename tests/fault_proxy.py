@@ -120,8 +120,12 @@ class _Request:
 class FaultProxy:
     """See the module docstring. A context manager; :meth:`close` stops it."""
 
-    def __init__(self, upstream: str, port: int = 0):
+    def __init__(self, upstream: str, port: int = 0, latency_s: float = 0.0):
         u = urlsplit(upstream)
+        # Added to every request before it is answered, each connection on its own thread: a store's round trip
+        # (benchmarks/scale.py's --latency-ms), so that requests made one after another cost what they cost at a
+        # real store while requests made in parallel overlap.
+        self.latency_s = latency_s
         self.upstream: Tuple[str, int] = (u.hostname, u.port or 80)
         self.rules: List[Fault] = []
         self.injected: Counter = Counter()
@@ -257,6 +261,8 @@ class FaultProxy:
                 if req is None:
                     abort = False
                     return
+                if self.latency_s:
+                    time.sleep(self.latency_s)
                 if self._down.is_set():  # down (refuse_after) while this connection was open: as refused
                     self._record(req, "reset (down)")
                     return

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray
 
 import stages.evaluate_load as evaluate_load
 from pipeline.evaluation.load import merge_chunks, run_row
@@ -93,6 +94,8 @@ def test_a_rerun_decodes_only_the_chunks_missing_and_the_summary_covers_every_pr
             evaluate_load.save_chunk(stage_, u, rows, fp, engines_at_once=4 - (u[1] == 1), where={"chunk": u[:2]})
 
     monkeypatch.setattr(evaluate_load, "_measure", measure)
+    # the parts in this process, in turn: an earlier test in this xdist worker may have left a Ray session up
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match="a lost GPU"):
         evaluate_load.run_load(cfg, stage, tables=False)
     first = list(calls)

@@ -139,23 +139,47 @@ FAST = [
 LOAD = ["profile.concurrency=[1,4,16]", "evaluate.concurrency=[1,16]"]
 
 
-@pytest.fixture(autouse=True)
-def autograd_as_found():
-    """Every test runs with autograd on and outside inference mode, as in a fresh process. In the fresh-clone runs of
-    c61daa9 and aae93cf (2026-12-06) five in-process training tests in one worker failed with "element 0 of tensors
-    does not require grad": state left by a test before them in that worker. Re-enabling grad mode alone did not help
-    (aae93cf); each test now runs inside ``inference_mode(False)`` and ``enable_grad()``, and a warning says when either
-    was off at its start. The likely source, found later: vLLM's matmul handlers outliving the in-process engine and
-    dying inside test_compiled's compile tracing (pipeline.decoding.vllm_engine.VllmEngine.shutdown), fixed there; this
-    guard stays, since that cause was inferred from one run's log and never reproduced on demand."""
-    import warnings
-
+def _autograd_off() -> list:
+    """What of torch's autograd state differs from a fresh process's, in words ([] when nothing)."""
     import torch
 
-    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-        warnings.warn("torch inference mode on or autograd off at this test's start: left by an earlier test")
+    return [what for what, on in (("inference mode on", torch.is_inference_mode_enabled()),
+                                  ("autograd off", not torch.is_grad_enabled())) if on]
+
+
+_TURNED_BACK: list = []  # the guards that turned back a state found at a test's start, alive for the process
+
+
+@pytest.fixture(autouse=True)
+def autograd_as_found():
+    """Every test runs with autograd on and outside inference mode, as in a fresh process, and a test that leaves
+    either changed fails, naming it. In the fresh-clone runs of c61daa9 and aae93cf (2026-12-06) five in-process
+    training tests in one worker failed with "element 0 of tensors does not require grad": state left by a test
+    before them in that worker, which no failure named (re-enabling grad mode alone did not help, aae93cf: inference
+    mode has to be left too). The likely source, found later: vLLM's matmul handlers outliving the in-process engine
+    and dying inside test_compiled's compile tracing (pipeline.decoding.vllm_engine.VllmEngine.shutdown), fixed
+    there; inferred from one run's log, never reproduced on demand. So the bug class fails where it happens instead
+    of being repaired under a warning: each test runs inside ``inference_mode(False)`` and ``enable_grad()``, its
+    teardown fails it when either was left changed inside them (by the test or its function-scoped fixtures), and
+    leaving them restores the state for the tests after it. A state already changed at a test's start was left
+    outside any test (a wider-scoped fixture, code run at import): that test errors at setup, and the state is turned
+    back for good, so that the tests after it run as in a fresh process. tests/unit/test_autograd_guard.py runs both
+    cases."""
+    import torch
+
+    found = _autograd_off()
+    if found:
+        guard = torch.inference_mode(False)  # turns inference mode off and autograd on until the process ends
+        guard.__enter__()
+        _TURNED_BACK.append(guard)
+        pytest.fail(f"{' and '.join(found)} at this test's start: left outside any test (a wider-scoped fixture or "
+                    f"code run at import); turned back for the tests after this one", pytrace=False)
     with torch.inference_mode(False), torch.enable_grad():
         yield
+        left = _autograd_off()
+    if left:
+        pytest.fail(f"this test left torch's {' and '.join(left)} (restored for the tests after it): a context "
+                    f"entered and never exited, or a set_grad_enabled(False) never undone", pytrace=False)
 
 
 @pytest.fixture

@@ -205,6 +205,7 @@ class DecodingStage(ShardStage):
         t0 = time.perf_counter()
         verbose = self.cfg.progress and verbosity() >= 1
         failures = self.prompt_failures
+        failures.new_shard()
         for i, rec in enumerate(table.to_pylist()):
             reason = None
             try:

@@ -50,6 +50,11 @@ class PromptFailures:
     def succeeded(self) -> None:
         self.in_a_row = 0
 
+    def new_shard(self) -> None:
+        """A shard starts: the count in a row starts again (the last prompts of one shard and the first of the next
+        are not one run of failures; a broken device still fails ``limit`` prompts of the shard in a row)."""
+        self.in_a_row = 0
+
     def failed(self, err: BaseException) -> str:
         detail = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
         from pipeline.labelling.batched import out_of_memory

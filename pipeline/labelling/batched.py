@@ -184,10 +184,17 @@ class ShardBatches:
                 "prompts_retried_alone": self.retried}
 
 
+# cuBLAS and cuDNN say it in their own words ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"):
+# their workspace did not fit, as an out-of-memory, and the context stays usable, so not a sticky "CUDA error"
+LIBRARY_OOM = ("cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
 def out_of_memory(err: BaseException) -> bool:
-    """torch's CUDA out-of-memory, or the CPU allocator's (a RuntimeError "can't allocate memory"), or Python's."""
+    """torch's CUDA out-of-memory, cuBLAS's or cuDNN's allocation failure, the CPU allocator's (a RuntimeError
+    "can't allocate memory"), or Python's."""
     text = str(err).lower()
-    return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+    return (isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+            or any(s in text for s in LIBRARY_OOM))
 
 
 def _without_frames(err: BaseException) -> BaseException:

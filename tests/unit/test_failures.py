@@ -114,3 +114,41 @@ def test_a_device_failure_in_the_drivers_process_fails_its_shard_and_every_later
     assert "3 shard(s) failed" in message and "DeviceFailure: worker driver: the device failed" in message
     assert f"{shard_name(3)}: not run: DeviceFailure" in message, message
     assert [p.name for p in list_shards(tmp_path / "out")] == [shard_name(0)]  # shard 0 was done before it
+
+
+def test_a_cublas_or_cudnn_allocation_failure_is_an_out_of_memory_not_a_sticky_device_error():
+    """Issue #67: cuBLAS says its workspace did not fit as a "CUDA error", which retired the worker as broken."""
+    f = PromptFailures("w")
+    for err in (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+                RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")):
+        assert not sticky_device_error(err)
+        assert [f.failed(err) for _ in range(FAILURES_IN_A_ROW)] == ["out_of_memory"] * FAILURES_IN_A_ROW
+
+
+def test_failures_in_a_row_start_again_with_each_shard():
+    """Issue #67: the last prompts of one shard and the first of the next were counted as one run, retiring a worker
+    whose failures were apart; a shard of failures in a row still retires it. Through DecodingStage.each_prompt,
+    which every decoding stage's shard goes through (fails when it does not start the count again)."""
+    from types import SimpleNamespace
+
+    from pipeline.executor.stage import Rejects
+    from stages.decoding import DecodingStage
+
+    stage = DecodingStage.__new__(DecodingStage)  # each_prompt needs only the config's progress flag
+    stage.cfg = SimpleNamespace(progress=False)
+    bad = FAILURES_IN_A_ROW - 1
+
+    def measure(rec):
+        if rec["prompt_id"].startswith("bad"):
+            raise ValueError("this prompt's own")
+        return 1
+
+    def shard(ids):
+        rejects = Rejects("w")
+        got = list(stage.each_prompt("s", pa.table({"prompt_id": ids}), rejects, measure))
+        return len(got), [r["reason"] for r in rejects]
+
+    assert shard(["ok"] + [f"bad{i}" for i in range(bad)]) == (1, ["decode_error"] * bad)
+    assert shard([f"bad{i}" for i in range(bad)] + ["ok"]) == (1, ["decode_error"] * bad)
+    with pytest.raises(DeviceFailure, match="in a row"):
+        shard([f"bad{i}" for i in range(FAILURES_IN_A_ROW)])

@@ -30,7 +30,8 @@ Chunk = Tuple[int, int, int, int]  # pipeline.executor.ray.device_task.chunks: c
 
 def _fingerprint(cfg, stage) -> Dict[str, Any]:
     return {"policy": file_sha256(stage.policy_dir / POLICY_META), "concurrency": list(cfg.evaluate.concurrency),
-            "repeats": cfg.evaluate.load_repeats, "decode": vars(cfg.decode), "model": vars(cfg.model),
+            "repeats": cfg.evaluate.load_repeats, "decode": vars(cfg.decode),
+            "model": vars(stage.worker_model()),  # the commits it loads
             "prompts": file_sha256(stage.prompts / "manifest.json"),
             # the schedule it runs is the load check's, when tune made one
             "load_check": file_sha256(stage.layout.load_check) if stage.layout.load_check.is_file() else None}
@@ -119,7 +120,7 @@ def _measure(cfg, stage, part: List[Tuple[Chunk, List[List[int]]]], sched: Dict[
     from pipeline.executor.memory_checks import engines_at_once
 
     load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / COST_PROFILE))
-    with batched_engine(cfg) as (models, batched):
+    with batched_engine(cfg, stage.worker_model()) as (models, batched):
         policy = BlockSizePolicy.from_pretrained(stage.policy_dir, device=models.device)
         try:
             policy = policy.fold(models.target.lm_head)

@@ -28,7 +28,7 @@ def _fingerprint(cfg, stage, model: Dict[int, int]) -> Dict[str, Any]:
             "load_tie": t.load_tie, "load_min_gain": t.load_min_gain, "load_loads": t.load_loads,
             "load_budget_s": t.load_budget_s,
             "val_fraction": cfg.train.val_fraction, "calibration_fraction": cfg.train.calibration_fraction,
-            "decode": vars(cfg.decode), "model": vars(cfg.model)}
+            "decode": vars(cfg.decode), "model": vars(stage.worker_model())}  # the commits it loads
 
 
 def run_check(cfg, stage) -> Dict[str, Any]:
@@ -108,7 +108,7 @@ def _measure(cfg, stage, prompts: List[List[int]], model: Dict[int, int], loads:
     load_cost = LoadCost.from_profile(CostProfile.load(stage.policy_dir / COST_PROFILE))
     rule, say = rule_of(cfg), log("tune")
     out = {}
-    with batched_engine(cfg) as (models, batched):
+    with batched_engine(cfg, stage.worker_model()) as (models, batched):
         def check(c, b):
             at_once = engines_at_once(cfg, models, prompts, c, 2, b)
             say.info(f"load check c={c}: b={b} against AR on {len(prompts)} val label prompts, "

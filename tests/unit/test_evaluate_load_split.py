@@ -76,8 +76,8 @@ def test_a_rerun_decodes_only_the_chunks_missing_and_the_summary_covers_every_pr
     (tmp_path / "policy" / "policy.json").write_text("{}")
     cfg = SimpleNamespace(evaluate=SimpleNamespace(concurrency=[1, 4, 16], load_repeats=2),
                           decode=SimpleNamespace(max_new_tokens=8, seed=0), model=SimpleNamespace(name="tiny"))
-    stage = SimpleNamespace(name="evaluate", cfg=cfg, folder=tmp_path / "eval", prompts=prompts,
-                            policy_dir=tmp_path / "policy", placement=Placement(4, 1, 0.5, "cuda"),
+    stage = SimpleNamespace(name="evaluate", cfg=cfg, worker_model=lambda: cfg.model, folder=tmp_path / "eval",
+                            prompts=prompts, policy_dir=tmp_path / "policy", placement=Placement(4, 1, 0.5, "cuda"),
                             layout=SimpleNamespace(load_check=tmp_path / "tune" / "load_check.json"),
                             policy_info={"schedule": {"1": 3, "4": 3, "16": 2}})
     calls, fail_at = [], [3]
@@ -116,3 +116,39 @@ def test_a_rerun_decodes_only_the_chunks_missing_and_the_summary_covers_every_pr
 
     calls.clear()
     assert evaluate_load.run_load(cfg, stage, tables=False) == got and calls == []  # done: nothing decoded
+
+
+def test_the_one_off_tasks_load_and_fingerprint_the_labels_commits(tmp_path, monkeypatch):
+    """Issue #67 item 7: evaluate's pass at load and tune's load check loaded cfg.model (a null revision: each task
+    resolving the hub's "main" on its own) and fingerprinted it. They take the stage's worker_model(): the labels'
+    commits. Fails on the old batched_engine(cfg) and on fingerprints of cfg.model."""
+    from dataclasses import replace
+
+    import pipeline.decoding.models as models_mod
+    import stages.load_check as load_check
+    from pipeline.executor.ray.device_task import batched_engine
+    from pipeline.runtime.config import load_config
+
+    cfg = load_config([])
+    pinned = replace(cfg.model, target="org/target", target_revision="a" * 40, draft_revision="b" * 40)
+    for name in ("prompts", "policy"):
+        (tmp_path / name).mkdir()
+    for f in ("prompts/manifest.json", "policy/policy.json", "policy/cost_profile.json"):
+        (tmp_path / f).write_text("{}")
+    stage = SimpleNamespace(cfg=cfg, worker_model=lambda: pinned, prompts=tmp_path / "prompts",
+                            policy_dir=tmp_path / "policy",
+                            layout=SimpleNamespace(load_check=tmp_path / "tune" / "load_check.json"))
+    assert evaluate_load._fingerprint(cfg, stage)["model"]["target_revision"] == "a" * 40
+    assert load_check._fingerprint(cfg, stage, {1: 3})["model"]["draft_revision"] == "b" * 40
+
+    loaded = []
+
+    def load_models(model):
+        loaded.append(model)
+        raise RuntimeError("stop here: no weights in this test")
+
+    monkeypatch.setattr(models_mod, "load_models", load_models)
+    with pytest.raises(RuntimeError, match="stop here"):
+        with batched_engine(cfg, stage.worker_model()):
+            pass
+    assert loaded == [pinned]

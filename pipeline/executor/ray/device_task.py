@@ -155,9 +155,10 @@ def _announced(fn: Callable, *args) -> Iterator[Any]:
 
 
 @contextmanager
-def batched_engine(cfg) -> Iterator[Tuple[Any, Any]]:
-    """(models, pipeline.decoding.batched.BatchedEngine) of the config, compiled as engine.compile says; torch on one
-    thread meanwhile when the models are on the CPU."""
+def batched_engine(cfg, model) -> Iterator[Tuple[Any, Any]]:
+    """(models, pipeline.decoding.batched.BatchedEngine) of ``model`` (the stage's ``worker_model()``: the labels'
+    commits and the one the driver resolved, never the hub's "main" again on a task's own), compiled as
+    engine.compile says; torch on one thread meanwhile when the models are on the CPU."""
     import torch
 
     from pipeline.decoding.batched import BatchedEngine
@@ -165,7 +166,7 @@ def batched_engine(cfg) -> Iterator[Tuple[Any, Any]]:
     from pipeline.decoding.engine import Engine
     from pipeline.decoding.models import load_models
 
-    models = load_models(cfg.model)
+    models = load_models(model)
     threads = torch.get_num_threads()
     if models.device.type == "cpu":
         torch.set_num_threads(1)

@@ -67,8 +67,8 @@ leaves none (its shards go to another worker). Every shard carries the key-value
 `blockpilot.fingerprint_sha256`, `blockpilot.config_sha256`, `blockpilot.package_version`, `blockpilot.stage` and,
 where it has one, `blockpilot.input_shard`. A shard counts as done on a rerun when its footer reads, it carries the
 folder's fingerprint, its rows plus its rejects account for every input row, none of its rejects is a decoding
-one, and its sha256 equals the one recorded
-when it was written (`{CHECKSUMS_DIR}/`, else the manifest's). The folder may live in object
+one, and its bytes are the ones recorded when it was written: its listed size and stamp equal those of
+`{CHECKSUMS_DIR}/` (else of `{STAMPS}`), or, where they differ, its sha256 equals the recorded one. The folder may live in object
 storage (`output_dir=s3://...`): every file is then uploaded whole (one PUT, or a multipart upload completed last),
 so an object is visible only once complete, and the same order holds (rejects, shard, manifest, `{SUCCESS}` last).
 
@@ -83,7 +83,8 @@ so an object is visible only once complete, and the same order holds (rejects, s
 | `rejects_by_reason`, `rejects_by_source`, `rejects_by_worker` | reject counts by those fields |
 | `fingerprint`, `fingerprint_sha256` | as in `{FINGERPRINT}`, and its sha256 (the one in every shard) |
 | `workers` | the workers that wrote the shards, earlier interrupted runs' included |
-| `summary` | the stage's own summary of the data (e.g. label histograms) |
+| `summary` | the stage's own summary of the data (e.g. label histograms; label's `cost_profiles`: each worker profile's rows and one shard carrying it) |
+| stage keys | prepare's `prompt_tokens` (`max`: the longest prompt in tokens, what decoding workers size their memory for; `prompts`), `duplicates`, `sources`, `notes`, `tokenizer`; label's `cost_profile` |
 """
 
 

@@ -5,8 +5,9 @@ atomically (in object storage: one PUT, see :mod:`pipeline.io.storage`), a ``man
 primitives; :mod:`pipeline.executor.driver` is the one place that writes manifests, reject files and ``_SUCCESS``.
 
 **Keeping a shard without reading it.** Each shard's sidecar records its sha256 (before the shard is published) and
-then its *stamp* (:func:`pipeline.io.storage.stamp`: size plus mtime_ns locally, the ETag in an object store), and
-the manifest copies both. Skip-if-complete and resume keep a shard whose listed size and stamp equal the recorded
+then its *stamp* (:func:`pipeline.io.storage.stamp`: size plus mtime_ns locally, the ETag in an object store); the
+manifest copies the sha256, and ``_stamps.json`` beside it the stamps (the manifest stays the same bytes for the same
+shards). Skip-if-complete and resume keep a shard whose listed size and stamp equal the recorded
 ones (:func:`stamp_matches`) without reading a byte of it: at a million label rows the shards are ~250 GB. Any other
 shard (rewritten, replaced, touched, or with no recorded stamp) gets the full check, footer and sha256
 (:func:`shard_problem`). What the stamp cannot see is damage that changes neither the mtime nor the ETag: bytes
@@ -26,8 +27,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.io.storage import (is_remote, listing, location, parquet_bytes, parquet_file, raise_naming,
-                                 replace_durably, stamp, tmp_path, write_bytes_atomic)
+from pipeline.io.storage import (is_remote, listing, location, parquet_bytes, parquet_file, published_locally, stamp,
+                                 write_bytes_atomic)
 
 # Key-value schema metadata of every shard the pipeline writes: blockpilot.KEY -> JSON value.
 META_PREFIX = "blockpilot."
@@ -84,17 +85,10 @@ def write_parquet_atomic(table: pa.Table, path, checksum=None, stats: Optional[D
         side = _write_sidecar(table, path, hashlib.sha256(data).hexdigest(), len(data), stats, checksum)
         write_bytes_atomic(data, path)
     else:
-        tmp = tmp_path(path)
-        try:
+        with published_locally(path) as tmp:
             pq.write_table(table, tmp, **options)
             # just written: read back from the page cache
             side = _write_sidecar(table, path, file_sha256(tmp), tmp.stat().st_size, stats, checksum)
-            replace_durably(tmp, path)
-        except OSError as err:
-            raise_naming(err, path)
-            raise
-        finally:
-            tmp.unlink(missing_ok=True)
     if checksum:
         write_json_atomic({**side, "stamp": stamp(path)["stamp"]}, checksum)
     return side["sha256"]

@@ -38,8 +38,9 @@ import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -124,21 +125,29 @@ def replace_durably(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_bytes_atomic(data: bytes, path) -> None:
-    """Publish ``data`` at ``path`` all at once (see the module docstring). Local paths use a temp file + rename."""
-    path = location(path)
-    if is_remote(path):
-        path.fs.pipe_file(path.path, data)
-        return
+@contextmanager
+def published_locally(path: Path) -> Iterator[Path]:
+    """A hidden temporary file beside local ``path`` for the block to write; once the block ends it is published over
+    ``path`` (fsync, rename), and in any case it is gone. A failed write names the file (:func:`raise_naming`)."""
     tmp = tmp_path(path)
     try:
-        tmp.write_bytes(data)
+        yield tmp
         replace_durably(tmp, path)
     except OSError as err:
         raise_naming(err, path)
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_bytes_atomic(data: bytes, path) -> None:
+    """Publish ``data`` at ``path`` all at once (see the module docstring). Local paths use a temp file + rename."""
+    path = location(path)
+    if is_remote(path):
+        path.fs.pipe_file(path.path, data)
+        return
+    with published_locally(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def raise_naming(err: OSError, path) -> None:

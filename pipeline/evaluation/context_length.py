@@ -181,7 +181,8 @@ def render_table(t: ContextTable) -> List[str]:
 
 def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_max: int = CTX_MAX,
                    no_speculation_from: Optional[int] = None,
-                   served: Optional[Dict[int, int]] = None) -> List[List[int]]:
+                   served: Optional[Dict[int, int]] = None,
+                   no_speculation_at: Optional[Sequence[int]] = None) -> List[List[int]]:
     """The 5-item entries [bs_lo, bs_hi, ctx_lo, ctx_hi, K] (K = chosen b - 1), all bounds inclusive, in the form
     vLLM's 5-item validator takes (vllm/v1/spec_decode/dynamic/utils.py at 14b450ca, the PR's code:
     validate_and_normalize_dynamic_sd_schedule): a rectangular (batch size x context) grid, every batch range over
@@ -190,9 +191,11 @@ def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_ma
     Grid point c holds batch sizes c .. next point - 1 (the first from 1, the last up to ``bs_max``). The context
     ranges are the buckets' (the same rows at every c), each reaching up to the next's ctx_lo - 1; two neighbouring
     context ranges merge where every batch range has the same K in both, two neighbouring batch ranges where their K
-    agree in every context range. ``no_speculation_from``: the first load where speculating was measured no faster
-    (tune's load check): K = 0 in every context range from it on. ``served``: the 3-item form's b at each c; where
-    that b is not among a table's block sizes (a small b the load check timed and kept, b = 2 or 3, which the labels
+    agree in every context range. ``no_speculation_at``: the loads where tune's load check left no speculation (its
+    own verdict at a checked load, or the monotone fit's K = 0 above every checked load): K = 0 in every context range
+    there, and only there (a load between them keeps its own answer: a tie at c = 4 says nothing of a b kept at
+    c = 16). ``no_speculation_from`` (older callers): every load from that one on. ``served``: the 3-item form's b at
+    each c; where that b is not among a table's block sizes (a small b the load check timed and kept, b = 2 or 3, which the labels
     never measured), every context range at that c takes it: no bucket there can be compared with it."""
     cs = sorted(t_by_c)
     if not cs or cs[0] < 1 or cs[-1] > bs_max:
@@ -202,8 +205,10 @@ def context_ranges(t_by_c: Dict[int, ContextTable], bs_max: int = BS_MAX, ctx_ma
         raise ValueError("the tables at each c must bucket the same rows alike")
     ctx = [[1 if j == 0 else bk.ctx_lo, ctx_max if j == len(buckets) - 1 else buckets[j + 1].ctx_lo - 1]
            for j, bk in enumerate(buckets)]
+    off = {int(c) for c in (no_speculation_at or ())}
+
     def fixed(c: int) -> Optional[int]:
-        if no_speculation_from is not None and c >= no_speculation_from:
+        if c in off or (no_speculation_from is not None and c >= no_speculation_from):
             return 1
         b = (served or {}).get(c)
         return b if b is not None and b not in t_by_c[c].block_sizes else None

@@ -76,15 +76,22 @@ class Deploy:
     sweep: Optional[Dict[str, Any]] = None  # --cost-profile a vLLM sweep: its own best K, acceptance, rejects
 
     @property
-    def no_speculation_from(self) -> Optional[int]:
-        """The first load where tune's load check left no speculation (a checked load whose verdicts serve b = 1, or
-        one the monotone fit covers), or None."""
+    def no_speculation_at(self) -> List[int]:
+        """The loads where tune's load check left no speculation, each by its own evidence: a checked load whose
+        verdicts serve b = 1, and the loads the monotone fit covers (``inherited``). A load the check kept, or never
+        timed and did not cover, is not among them, whatever lies below it."""
         from pipeline.evaluation.load_check import served
 
         check = self.load_check or {}
-        dropped = [int(c) for c, v in (check.get("loads") or {}).items() if served(v) == 1]
-        dropped += [int(c) for c in (check.get("inherited") or {})]
-        return min(dropped) if dropped else None
+        off = {int(c) for c, v in (check.get("loads") or {}).items() if served(v) == 1}
+        return sorted(off | {int(c) for c in (check.get("inherited") or {})})
+
+    @property
+    def no_speculation_from(self) -> Optional[int]:
+        """The first of :attr:`no_speculation_at`, or None (not "K = 0 from here on": loads above it keep their own
+        answers)."""
+        off = self.no_speculation_at
+        return off[0] if off else None
 
     @property
     def rule(self) -> Optional[str]:
@@ -337,7 +344,7 @@ def load_lines(d: Deploy) -> List[str]:
     checked = " as tune's load check left it (below)" if d.load_check and d.load_check.get("loads") else ""
     lines = [f"Train-chosen b by concurrency, no speculation (b = 1) among the options (modelled time per token on "
              f"the label set's train split under the profile's batched seconds per step){checked}: {table}."]
-    measured = d.no_speculation_from
+    measured = set(d.no_speculation_at)
     from pipeline.evaluation.load_check import served
 
     for c, v in sorted(((d.load_check or {}).get("loads") or {}).items(), key=lambda kv: int(kv[0])):
@@ -350,7 +357,7 @@ def load_lines(d: Deploy) -> List[str]:
                                               f"b={serve} (K = {serve - 1}).")))
     for c, why in sorted(((d.load_check or {}).get("inherited") or {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"Not timed at c={c}: K = 0 there by the monotone fit ({why}).")
-    ar = sorted(c for c, b in d.schedule.items() if b == 1 and (measured is None or c < measured))
+    ar = sorted(c for c, b in d.schedule.items() if b == 1 and c not in measured)
     cross = crossover(d.schedule)
     if ar:
         lines.append(f"K = 0 at c in {ar}: there a verify of b tokens costs more per step than the tokens it accepts "
@@ -390,13 +397,23 @@ def context_lines(d: Deploy) -> List[str]:
     first = min(d.context)
     lines = [f"Acceptance by prompt length (the label set's train split, modelled cost at c={first}):", "",
              *render_table(d.context[first]), ""]
-    off = d.no_speculation_from
+    inherited = {int(c) for c in ((d.load_check or {}).get("inherited") or {})}
+    off = set(d.no_speculation_at)
+
+    def verdict(c: int) -> str:  # each load's own answer: a tie at c = 4 says nothing of c = 8 or a b kept at c = 16
+        if c not in off:
+            return ""
+        if c in inherited:
+            return (" Served: K = 0 in every length bucket, by the load check's monotone fit above its checked loads "
+                    "(not timed at this load).")
+        return (" Served: K = 0 in every length bucket, as tune's load check measured at this load (the buckets "
+                "are the cost model's).")
+
     lines += [f"- c={c}: best b {'varies' if t.varies else 'does not vary'} with prompt length ({t.why})."
-              + (" Served: K = 0 in every length bucket, as tune's load check measured at this load (the buckets "
-                 "are the cost model's)." if off is not None and c >= off and t.varies else "")
+              + (verdict(c) if t.varies else "")
               for c, t in sorted(d.context.items()) if c != first]
     if any(t.varies for t in d.context.values()):
-        entries = context_ranges(d.context, no_speculation_from=d.no_speculation_from, served=d.schedule)
+        entries = context_ranges(d.context, no_speculation_at=d.no_speculation_at, served=d.schedule)
         t = next(iter(d.context.values()))
         lines += ["", "Where it varies, the 5-item form `[bs_lo, bs_hi, ctx_lo, ctx_hi, K]` of vLLM's OPEN PR #48944. "
                   "It needs a vLLM built from that PR: no released vLLM takes 5-item entries (0.32.0 refuses them). "

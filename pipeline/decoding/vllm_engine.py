@@ -66,6 +66,32 @@ def vllm_version() -> Optional[str]:
     return None
 
 
+# Model Runner V2 (vllm/v1/worker/gpu/model_runner.py) drafts DFlash's whole 1 + num_speculative_tokens block every step
+# whatever the step's K and keeps the first K (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py: num_query_per_req
+# is fixed at start-up); DFlash's in-block attention is bidirectional, so those are not a smaller block's drafts. The V1
+# runner's proposer (vllm/v1/spec_decode/dflash.py, set_inputs_first_pass) drafts 1 + K queries at the step's K. vLLM
+# 0.32 picks V2 wherever Triton is installed unless VLLM_USE_V2_MODEL_RUNNER=0 (VllmConfig.use_v2_model_runner,
+# vllm/config/vllm.py): the engine asks for V1 and refuses to label where vLLM still runs V2.
+V1_RUNNER = ("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def model_runner_refusal(vllm_config) -> Optional[str]:
+    """Why labels from this engine would not mean "tau at b = K + 1" (None: they do): vLLM's own decision
+    (``VllmConfig.use_v2_model_runner``, vllm/config/vllm.py) picked Model Runner V2."""
+    if getattr(vllm_config, "speculative_config", None) is None or not vllm_config.use_v2_model_runner:
+        return None  # no drafter (the target alone), or V1
+    env = os.environ.get(V1_RUNNER[0])
+    why = ("VLLM_USE_V2_MODEL_RUNNER is set to " + repr(env) if env not in (None, "0") else
+           "a feature that needs it (HiSparse or watermarking: vllm/config/vllm.py use_v2_model_runner)")
+    return ("label.engine=vllm: vLLM runs Model Runner V2 here (" + why + "), whose DFlash speculator drafts the "
+            "whole 1 + num_speculative_tokens block whatever the step's K and keeps the first K "
+            "(vllm/v1/worker/gpu/spec_decode/dflash/speculator.py, vllm/v1/worker/gpu/model_runner.py): with DFlash's "
+            "bidirectional in-block attention those are not a b = K + 1 block's drafts, so tau and the cost profile "
+            "would measure another thing. Unset VLLM_USE_V2_MODEL_RUNNER (the engine then sets it to 0: the V1 runner, "
+            "whose proposer drafts K + 1 queries, vllm/v1/spec_decode/dflash.py), drop the feature that needs V2, or "
+            "label with label.engine=hf.")
+
+
 def check_installed() -> str:
     """The vLLM distribution and version, or a clear error naming the extra and the packages that break it."""
     version = vllm_version()
@@ -172,6 +198,7 @@ class VllmEngine:
     def start(self) -> "VllmEngine":
         self.version = check_installed()
         os.environ.update(ENVIRONMENT)
+        os.environ.setdefault(*V1_RUNNER)  # the runner whose drafter follows the step's K (model_runner_refusal)
         # vLLM's own INFO lines (a dozen at start-up) and its per-pass CPU thread warning only with -v
         from pipeline.runtime.log import verbosity
 
@@ -200,6 +227,10 @@ class VllmEngine:
                        trust_remote_code=self.trust_remote_code, disable_log_stats=False,
                        skip_tokenizer_init=self.skip_tokenizer_init)
         self.start_seconds = time.perf_counter() - t0
+        refusal = model_runner_refusal(self.llm.llm_engine.vllm_config)
+        if refusal:
+            self.shutdown()
+            raise RuntimeError(refusal)
         self._scheduler()  # refuse a vLLM without the scheduler attributes now, not after a pass
         log("engine").info(f"{self.version}: engine up in {self.start_seconds:.1f} s (K <= {self.max_k}, "
                            f"{self.max_num_seqs} requests at once{', the CPU T > 0 fix applied' if fixed else ''})")

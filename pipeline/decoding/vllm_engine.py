@@ -166,10 +166,22 @@ class VllmDecode:
     committed: List[int]  # per verify step, clipped as our engine counts (empty: no step)
     seconds: float  # the request's first to last token (continuous batching: other requests share those steps)
     vllm_acceptance_length: float  # vLLM's own figure, the last step unclipped (1 without speculation)
+    finish_reason: Optional[str] = None  # vLLM's: "stop", "length", or "abort" (a request it gave up on)
+    preemptions: int = 0  # times vLLM's scheduler preempted the request (its KV cache full) before it ended
+    rerun_alone: bool = False  # the request was decoded again alone: its first pass's figures did not add up
 
     @property
     def tau(self) -> float:
         return sum(self.committed) / len(self.committed) if self.committed else 1.0
+
+
+def model_len_needed(longest_prompt: int, max_new_tokens: int, context_lengths: Sequence[int] = (),
+                     profile_tokens: int = 0, margin: int = 64) -> int:
+    """vLLM's ``max_model_len`` for a label worker: the longest prompt plus its new tokens, and every prompt of the
+    start-up cost profile (``context_lengths`` random tokens each, decoding ``profile_tokens``), plus a margin for the
+    drafted tokens past the last kept one. A request past it is refused by vLLM for the whole ``generate`` call."""
+    return int(max([longest_prompt + max_new_tokens, *[int(n) + int(profile_tokens) for n in context_lengths]])
+               + margin)
 
 
 @dataclass
@@ -191,6 +203,7 @@ class VllmEngine:
     skip_tokenizer_init: bool = False  # prompts are token ids: a checkpoint without a tokenizer still serves
     target_revision: Optional[str] = None  # a hub id's commit (pipeline.decoding.models.locate); None for a folder
     draft_revision: Optional[str] = None
+    num_blocks: Optional[int] = None  # vLLM's num_gpu_blocks_override: a KV cache of this many blocks (tests)
     llm: Any = field(default=None, init=False, repr=False)
     start_seconds: float = field(default=0.0, init=False)
     version: str = field(default="", init=False)
@@ -219,13 +232,16 @@ class VllmEngine:
                                 # one range for every batch size: set_k rewrites its lookup
                                 "num_speculative_tokens_per_batch_size": [[1, self.max_num_seqs, max(1, self.max_k)]],
                                 **({"revision": self.draft_revision} if self.draft_revision else {})}
-        self.llm = LLM(model=self.target, revision=self.target_revision, speculative_config=spec, dtype=self.dtype,
-                       seed=self.seed,
+        # max_k 0: the target alone (label.continuation=vllm's greedy continuations): vLLM 0.32 runs the drafter's
+        # forward even at K = 0, so no draft is loaded at all
+        speculative = dict(speculative_config=spec, per_request_spec_decode_metrics="detailed") if self.max_k else {}
+        self.llm = LLM(model=self.target, revision=self.target_revision, dtype=self.dtype, seed=self.seed,
                        max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                        enforce_eager=self.enforce_eager, gpu_memory_utilization=self.gpu_memory_utilization,
-                       per_request_spec_decode_metrics="detailed", max_logprobs=-1, logprobs_mode="raw_logits",
+                       max_logprobs=-1, logprobs_mode="raw_logits",
                        trust_remote_code=self.trust_remote_code, disable_log_stats=False,
-                       skip_tokenizer_init=self.skip_tokenizer_init)
+                       skip_tokenizer_init=self.skip_tokenizer_init,
+                       **speculative, **({"num_gpu_blocks_override": self.num_blocks} if self.num_blocks else {}))
         self.start_seconds = time.perf_counter() - t0
         refusal = model_runner_refusal(self.llm.llm_engine.vllm_config)
         if refusal:
@@ -239,7 +255,7 @@ class VllmEngine:
     def _scheduler(self):
         core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
         sched = getattr(core, "scheduler", None)
-        if sched is None or getattr(sched, "dynamic_sd_lookup", None) is None or \
+        if sched is None or (self.max_k and getattr(sched, "dynamic_sd_lookup", None) is None) or \
                 not hasattr(sched, "max_num_active_reqs"):
             raise RuntimeError(f"{self.version}: its scheduler has no dynamic_sd_lookup / max_num_active_reqs (vLLM "
                                "0.32's, set between passes with the engine core in this process, "
@@ -254,6 +270,8 @@ class VllmEngine:
         """Every batch size drafts K = ``k`` tokens from the next pass on (0: no speculation)."""
         if not 0 <= k <= self.max_k:
             raise ValueError(f"K = {k} outside 0..{self.max_k} (the engine's largest K)")
+        if not self.max_k:  # started without a draft: K is 0 already
+            return
         sched = self._scheduler()
         sched.dynamic_sd_lookup = [int(k)] * len(sched.dynamic_sd_lookup)
 
@@ -282,32 +300,65 @@ class VllmEngine:
         return rows
 
     def decode(self, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int, temperature: float = 0.0,
-               top_p: float = 1.0, seeds: Optional[Sequence[int]] = None, stop_on_eos: bool = True) -> List[VllmDecode]:
-        """Every prompt decoded at K = ``k`` (b = k + 1) in one pass; per request its tokens and steps."""
+               top_p: float = 1.0, seeds: Optional[Sequence[int]] = None, stop_on_eos: bool = True,
+               stop_token_ids: Optional[Sequence[int]] = None) -> List[VllmDecode]:
+        """Every prompt decoded at K = ``k`` (b = k + 1) in one pass; per request its tokens and steps.
+        ``stop_token_ids``: stop on these too (our engine's stop tokens), besides the model's EOS unless
+        ``stop_on_eos`` is false.
+
+        A request whose figures do not add up (its recorded steps account for more or fewer tokens than it kept,
+        which a preemption can do: vLLM recomputes a preempted request and its per-step record is its scheduler's,
+        or one vLLM aborted) does not fail the pass: it is decoded again alone (one request always fits the KV
+        cache) and marked ``rerun_alone``; only if it still does not add up is that request's error raised, naming
+        it."""
+        outs, wall = self._generate(prompts, k, max_new_tokens, temperature, top_p, seeds, stop_on_eos,
+                                    stop_token_ids)
+        got: List[Optional[VllmDecode]] = []
+        for o in outs:
+            try:
+                got.append(self._read(o, k, wall / len(outs)))
+            except ValueError:
+                got.append(None)
+        for i in [i for i, d in enumerate(got) if d is None or d.finish_reason == "abort"]:
+            (o,), wall = self._generate([prompts[i]], k, max_new_tokens, temperature, top_p,
+                                        None if seeds is None else [seeds[i]], stop_on_eos, stop_token_ids)
+            try:
+                got[i] = self._read(o, k, wall)
+            except ValueError as err:
+                raise ValueError(f"request {i} of {len(prompts)} (K = {k}): {err}, alone as in the batch") from None
+            got[i].rerun_alone = True
+            log("engine").info(f"{self.version}: request {i} of {len(prompts)} at K = {k} decoded again alone (its "
+                               f"figures in the batch did not add up; {got[i].preemptions} preemption(s) alone)")
+        return got
+
+    def _generate(self, prompts, k, max_new_tokens, temperature, top_p, seeds, stop_on_eos, stop_token_ids):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.set_k(k)
+        stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  seed=None if seeds is None else int(seeds[i]) % (2**63), detokenize=False,
-                                 ignore_eos=not stop_on_eos)
+                                 ignore_eos=not stop_on_eos, stop_token_ids=stops)
                   for i in range(len(prompts))]
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        got = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            m = c.spec_decode_metrics
-            accepted = list(m.per_step_accepted) if (m is not None and k > 0) else []
-            stats = o.metrics
-            seconds = (stats.last_token_ts - stats.first_token_ts) if stats is not None and \
-                stats.last_token_ts > 0 else wall / len(outs)
-            got.append(VllmDecode(ids, committed_per_step(accepted, len(ids)) if k > 0 else
-                                  [1] * max(0, len(ids) - 1), float(seconds),
-                                  float(m.to_dict()["mean_acceptance_length"]) if m is not None and k > 0 else 1.0))
-        return got
+        return outs, time.perf_counter() - t0
+
+    @staticmethod
+    def _read(o, k: int, fallback_seconds: float) -> VllmDecode:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        m = c.spec_decode_metrics
+        accepted = list(m.per_step_accepted) if (m is not None and k > 0) else []
+        stats = o.metrics
+        seconds = (stats.last_token_ts - stats.first_token_ts) if stats is not None and \
+            stats.last_token_ts > 0 else fallback_seconds
+        return VllmDecode(ids, committed_per_step(accepted, len(ids)) if k > 0 else [1] * max(0, len(ids) - 1),
+                          float(seconds),
+                          float(m.to_dict()["mean_acceptance_length"]) if m is not None and k > 0 else 1.0,
+                          finish_reason=None if c.finish_reason is None else str(c.finish_reason),
+                          preemptions=int(getattr(stats, "num_preemptions", 0) or 0))
 
     def shutdown(self) -> None:
         """The engine core's memory back (vLLM 0.32's LLM has no shutdown of its own), now rather than at some later

@@ -91,18 +91,14 @@ def hf_tokens(engine, prompts, b, new, prenorm=False):
 
 
 def continuation_replay(engine, prompts, news, cands, new):
-    """Option (b): our replay along continuations decoded elsewhere (here by vLLM)."""
-    from pipeline.labelling.greedy import target_features
-    from pipeline.labelling.runner import DraftRunner
-    from pipeline.labelling.walks import lockstep_walks
+    """Option (b), now label.continuation=vllm: our replay along continuations decoded elsewhere (here by vLLM),
+    through the library (pipeline.labelling.vllm_continuation: the teacher-forced pass, each g checked against the
+    target's argmax, the batched walks)."""
+    from pipeline.labelling.vllm_continuation import vllm_replay_label_prompts
 
     t0 = time.perf_counter()
-    context, _, _ = target_features(engine.target, engine.draft.target_layer_ids, prompts, news)
-    gs = [p + c for p, c in zip(prompts, news)]
-    runner = DraftRunner(engine.draft, engine.target, gs, context)
-    walks = lockstep_walks(gs, [len(p) for p in prompts], new, list(cands), runner.propose, engine.stop_token_ids)
-    taus = [[sum(w[b]) / len(w[b]) if w[b] else 1.0 for b in cands] for w in walks]
-    return taus, time.perf_counter() - t0
+    out, _ = vllm_replay_label_prompts(engine, prompts, news, cands, new)
+    return [o.tau for o in out], time.perf_counter() - t0
 
 
 def agreement(a, b, cands):

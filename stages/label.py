@@ -90,6 +90,9 @@ class LabelStage(DecodingStage):
             **({"logits_precision": self.precision} if self.precision != "fp16" else {}),
             # The engine that measured tau (one folder never mixes engines), and vLLM's version: only when not ours.
             **({"engine": self.engine_name, "engine_version": self.engine_version} if self.uses_vllm else {}),
+            # vLLM's own settings that change what it computes (its batch, its CUDA graphs): only where it labels
+            **({"vllm": {"max_num_seqs": self.cfg.vllm.max_num_seqs, "compile": self.cfg.vllm.compile}}
+               if self.uses_vllm else {}),
             # How the numbers are computed beyond the models and packages: each can change bf16 greedy outputs.
             "engine_compile": self.cfg.engine.compile, "continuation": self.cfg.label.continuation,
             "batch_size": self.cfg.label.batch_size,
@@ -152,7 +155,50 @@ class LabelStage(DecodingStage):
     def memory_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
         from pipeline.executor.memory_checks import label_check, vllm_check
 
-        return vllm_check(self, facts, dtype) if self.uses_vllm else label_check(self, facts, dtype)
+        if self.uses_vllm:
+            return vllm_check(self, facts, dtype)
+        if self.cfg.label.continuation == "vllm" and self.mode == "replay":
+            return self.vllm_continuation_check(facts, dtype)
+        return label_check(self, facts, dtype)
+
+    def vllm_bytes(self, facts: Dict[str, Any], dtype) -> int:
+        """What vLLM's engine holds beside ours with label.continuation=vllm: on a GPU vllm.gpu_memory_utilization of
+        its memory (vLLM takes it at start-up, its weights and KV cache inside); on a CPU the target's weights and
+        vllm.cpu_kv_cache_gb."""
+        from pipeline.decoding.memory import GiB, dtype_bytes, parameter_count
+        from pipeline.executor.memory_checks import model_configs
+
+        v = self.cfg.vllm
+        if facts.get("device_name") != "cpu" and facts.get("memory_total"):
+            return int(v.gpu_memory_utilization * facts["memory_total"])
+        target, _ = model_configs(self.cfg)
+        return int(parameter_count(target) * dtype_bytes(dtype) + v.cpu_kv_cache_gb * GiB)
+
+    def vllm_continuation_check(self, facts: Dict[str, Any], dtype) -> Dict[str, Any]:
+        """The preflight's memory check with label.continuation=vllm: vLLM's share (:meth:`vllm_bytes`) plus our
+        models and the replay's peak at label.batch_size (auto: what fits beside vLLM) against the budget; ``key``:
+        vllm.gpu_memory_utilization on a GPU (what leaves room), label.batch_size on a CPU."""
+        from pipeline.decoding.memory import GiB, LabelMemory, auto_batch_size
+        from pipeline.executor.memory_checks import budget, model_configs
+
+        target, draft = model_configs(self.cfg)
+        gpu = facts.get("device_name") != "cpu"
+        memory = LabelMemory(target, draft, dtype, self.longest_prompt, self.cfg.decode.max_new_tokens,
+                             self.candidates, self.trace_block_size, device="cuda" if gpu else "cpu",
+                             vllm_bytes=self.vllm_bytes(facts, dtype))
+        have, asked = budget(self.cfg, facts), self.cfg.label.batch_size
+        batch = auto_batch_size(memory, have).batch if asked == "auto" and have else (1 if asked == "auto"
+                                                                                       else int(asked))
+        plan = memory.at(batch)
+        key = "vllm.gpu_memory_utilization" if gpu and facts.get("memory_total") else "label.batch_size"
+        detail = (f"label.continuation=vllm plans {plan.peak / GiB:.1f} GiB at label.batch_size={asked}: vLLM "
+                  f"{memory.vllm_bytes / GiB:.1f} GiB (vllm.gpu_memory_utilization="
+                  f"{self.cfg.vllm.gpu_memory_utilization:g} on a GPU; its weights + vllm.cpu_kv_cache_gb on a CPU), "
+                  f"our models and the replay's peak ({plan.peak_phase} phase)"
+                  + (f"; the budget is {have / GiB:.1f} GiB: lower vllm.gpu_memory_utilization or label.batch_size"
+                     if have else ""))
+        return {"need": plan.peak, "have": have, "key": key, "detail": detail, "batch": batch,
+                "plan": plan.describe()}
 
     # -- every actor --
     def setup(self, worker: Worker) -> None:
@@ -165,9 +211,8 @@ class LabelStage(DecodingStage):
         if self.mode == "replay" and self.cfg.label.batch_size == "auto":  # what fits this worker's device
             from pipeline.executor.preflight import device_facts
 
-            from pipeline.executor.memory_checks import label_check
-
-            self.auto_batch = int(label_check(self, device_facts(self.models.device.type), self.models.dtype)["batch"])
+            # (beside vLLM's share with label.continuation=vllm: memory_check says which plan)
+            self.auto_batch = int(self.memory_check(device_facts(self.models.device.type), self.models.dtype)["batch"])
         # The cost model on this worker's device and dtype (pipeline/policy/cost.py): b in 1..2B, draft and verify
         # timed apart; it goes into every shard's metadata and, at the end, into the folder's cost profile. Measured
         # by one worker per device kind and shared where sharing is on (pipeline/labelling/shared_profile.py), else
@@ -185,6 +230,93 @@ class LabelStage(DecodingStage):
         else:
             self.cost_profile = measure()
         self.step_cost = self.cost_profile.costs(self.candidates)
+        self.setup_vllm_continuation(worker)
+
+    vllm_continuation = None  # label.continuation vllm (or auto, where chosen): the worker's vLLM engine
+
+    def setup_vllm_continuation(self, worker: Worker) -> None:
+        """label.continuation=vllm: one vLLM engine of the target alone beside our models (K = 0, no draft loaded),
+        for the shards' greedy continuations. Under auto, where vLLM is installed and its memory fits beside ours:
+        started, its costs timed (vllm_continuation.probe_costs), and given back at once unless they predict it
+        cheaper at this worker's batch (ContinuationChoice.use_vllm)."""
+        mode = self.cfg.label.continuation
+        if mode not in ("vllm", "auto") or self.mode != "replay":
+            return
+        from pipeline.decoding.vllm_engine import VllmEngine, model_len_needed, vllm_version
+
+        if mode == "auto":
+            if vllm_version() is None:
+                return
+            from pipeline.executor.preflight import device_facts
+
+            check = self.vllm_continuation_check(device_facts(self.models.device.type), self.models.dtype)
+            if check["have"] and check["need"] > check["have"]:
+                log("label").info(f"{worker.identity}: continuation auto leaves vLLM out: {check['detail']}")
+                return
+        from pipeline.decoding.models import locate
+
+        m, v, pr = self.cfg.model, self.cfg.vllm, self.cfg.profile
+        target = locate(m.target, m.target_revision, "model.target")
+        graphs = v.compile == "on" or (v.compile == "auto" and self.models.device.type == "cuda")
+        self.vllm_continuation = VllmEngine(
+            target.path, "", str(self.models.dtype).replace("torch.", ""), max_k=0, max_num_seqs=v.max_num_seqs,
+            # the probe's prompts too (auto): every prompt vLLM is handed fits its max_model_len
+            max_model_len=model_len_needed(self.longest_prompt, self.cfg.decode.max_new_tokens,
+                                           pr.context_lengths[:1], 2 * pr.steps),
+            seed=self.cfg.decode.seed, enforce_eager=not graphs, gpu_memory_utilization=v.gpu_memory_utilization,
+            cpu_kv_cache_gb=v.cpu_kv_cache_gb, trust_remote_code=m.trust_remote_code,
+            target_revision=target.revision).start()
+        if mode == "auto":
+            from pipeline.labelling.vllm_continuation import probe_costs
+
+            self.continuation.vllm_costs = probe_costs(self.vllm_continuation, self.engine, pr.concurrency,
+                                                       pr.context_lengths[0], pr.steps, self.cfg.decode.seed)
+            if not self.continuation.use_vllm(self.label_batch_size, self.cfg.decode.max_new_tokens,
+                                              self.longest_prompt):
+                log("label").info(f"{worker.identity}: vLLM given back, {self.continuation.describe_vllm()}")
+                self.vllm_continuation.shutdown()
+                self.vllm_continuation = None
+                return
+            log("label").info(f"{worker.identity}: {self.continuation.describe_vllm()}")
+
+    def vllm_continuation_batch(self, ids, rows):
+        """One replay batch along the continuations vLLM decoded for the shard (vllm_continuation), each checked
+        against the target's argmax; a prompt whose g fails the check is labelled by greedy instead (logged)."""
+        from pipeline.labelling.vllm_continuation import vllm_replay_label_prompts
+
+        news, notes, per_prompt = self._vllm_news
+        out, record = vllm_replay_label_prompts(
+            self.engine, ids, [news[r] for r in rows], self.candidates, self.cfg.decode.max_new_tokens,
+            step_cost=self.step_cost, trace_block_size=self.trace_block_size,
+            continuation_seconds=per_prompt * len(rows), notes=[notes[r] for r in rows])
+        self.continuation.add(record)
+        if record["fallback"]:
+            log("label").warning(f"{self.worker.identity}: {record['fallback']} of {len(rows)} prompts' vLLM "
+                                 f"continuation is not the target's greedy one, labelled by greedy instead: "
+                                 + "; ".join(f"{self._prompt_ids[rows[int(i)]]}: {why}"
+                                             for i, why in list(record["fallback_reasons"].items())[:3]))
+        self.continuation.observe([o.tau[o.candidates.index(self.block_size)] for o in out])
+        return out
+
+    def vllm_shard_continuations(self, ids) -> bool:
+        """The shard's greedy continuations from vLLM, in one call (vLLM batches them itself); False (logged)
+        where vLLM is not used for this shard or its call failed: the shard then decodes its own, batch by batch."""
+        if self.vllm_continuation is None or not ids:
+            return False
+        if self.cfg.label.continuation == "auto" and not self.continuation.use_vllm(
+                min(len(ids), self.label_batch_size), self.cfg.decode.max_new_tokens, self.longest_prompt):
+            return False
+        from pipeline.labelling.vllm_continuation import vllm_continuations
+
+        try:
+            news, notes, seconds = vllm_continuations(self.vllm_continuation, ids, self.cfg.decode.max_new_tokens,
+                                                      self.engine.stop_token_ids)
+        except Exception as err:  # noqa: BLE001 - our own decode labels the shard instead, said
+            log("label").warning(f"{self.worker.identity}: vLLM's continuation of the shard failed ({type(err).__name__}"
+                                 f": {(str(err).splitlines() or [''])[0]}); the shard decodes its own")
+            return False
+        self._vllm_news = (news, notes, seconds / len(ids))
+        return True
 
     def profile_kind(self) -> Dict[str, Any]:
         """What makes two workers' cost profiles the same measurement (pipeline.labelling.shared_profile)."""
@@ -211,7 +343,7 @@ class LabelStage(DecodingStage):
         import torch
 
         from pipeline.decoding.models import locate, resolve_device, resolve_dtype
-        from pipeline.decoding.vllm_engine import VllmEngine
+        from pipeline.decoding.vllm_engine import VllmEngine, model_len_needed
         from pipeline.labelling.vllm_labels import measure_profile
         from pipeline.policy.cost import CostProfile
 
@@ -226,7 +358,9 @@ class LabelStage(DecodingStage):
         graphs = v.compile == "on" or (v.compile == "auto" and device.type == "cuda")
         self.vllm = VllmEngine(target.path, draft.path, str(dtype).replace("torch.", ""),
                                max_k=max(self.candidates) - 1, max_num_seqs=v.max_num_seqs,
-                               max_model_len=self.longest_prompt + self.cfg.decode.max_new_tokens + 64,
+                               # the start-up profile's prompts too (its context lengths + 2 x steps tokens)
+                               max_model_len=model_len_needed(self.longest_prompt, self.cfg.decode.max_new_tokens,
+                                                              pr.context_lengths, 2 * pr.steps),
                                seed=self.cfg.decode.seed, enforce_eager=not graphs,
                                gpu_memory_utilization=v.gpu_memory_utilization, cpu_kv_cache_gb=v.cpu_kv_cache_gb,
                                trust_remote_code=m.trust_remote_code, target_revision=target.revision,
@@ -333,6 +467,12 @@ class LabelStage(DecodingStage):
             self._prompt_ids = table.column("prompt_id").to_pylist()
             batches = ShardBatches(self._prompt_ids, table.column("input_ids").to_pylist(), self.label_batch_size,
                                    self.vllm_label_batch, with_rows=True)
+        elif self.mode == "replay" and self.vllm_shard_continuations(table.column("input_ids").to_pylist()):
+            from pipeline.labelling.batched import ShardBatches  # g from vLLM, the rest ours (vllm_continuation)
+
+            self._prompt_ids = table.column("prompt_id").to_pylist()
+            batches = ShardBatches(self._prompt_ids, table.column("input_ids").to_pylist(), self.label_batch_size,
+                                   self.vllm_continuation_batch, with_rows=True)
         elif self.label_batch_size > 1:
             from pipeline.labelling.batched import ShardBatches
 
@@ -414,7 +554,10 @@ class LabelStage(DecodingStage):
                          f"{b['batches_failed']} failed ({b['batches_out_of_memory']} out of memory), their "
                          f"{b['prompts_retried_alone']} prompts retried one by one; continuation (label.continuation="
                          f"{self.cfg.label.continuation}): {b.get('continuation_greedy', 0)} greedy, "
-                         f"{b.get('continuation_speculative', 0)} speculative at B={self.block_size}")
+                         f"{b.get('continuation_speculative', 0)} speculative at B={self.block_size}"
+                         + (f", {b.get('continuation_vllm', 0)} vllm ({b.get('continuation_vllm_fallback', 0)} prompts "
+                            "whose vLLM continuation was not the target's greedy one: labelled by greedy)"
+                            if self.cfg.label.continuation in ("vllm", "auto") else ""))
         return lines
 
 

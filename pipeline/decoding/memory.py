@@ -20,6 +20,8 @@ from dflash.model import _draft_value, build_target_layer_ids
 # The code's own chunk sizes, restated (decoding sits below labelling and may not import it; a unit test holds them
 # equal): greedy.PREFILL_GROUP, runner.HEAD_ROWS, trace.TRACE_MAX_ROWS.
 PREFILL_GROUP, HEAD_ROWS, TRACE_MAX_ROWS = 8, 1024, 4096
+# greedy.FEATURE_ELEMENTS and vllm_continuation.LOGIT_ELEMENTS: the teacher-forced pass's row chunks
+FEATURE_ELEMENTS, LOGIT_ELEMENTS = 1 << 28, 1 << 28
 GiB = 2 ** 30
 
 
@@ -140,7 +142,12 @@ class LabelMemory:
 
     def __init__(self, target_config, draft_config, dtype, prompt_tokens: int, max_new_tokens: int,
                  candidates: Sequence[int], trace_block_size: Optional[int] = None, device: str = "cuda",
-                 weights: Optional[Dict[str, int]] = None):
+                 weights: Optional[Dict[str, int]] = None, vllm_bytes: Optional[int] = None):
+        # vllm_bytes: label.continuation=vllm: vLLM's engine beside ours on the device (on a GPU
+        # vllm.gpu_memory_utilization of it, which vLLM takes whole at start-up; on a CPU its weights and KV cache),
+        # held for good like the weights; g then comes from vLLM and one teacher-forced pass replaces our decode's
+        # phases (pipeline.labelling.vllm_continuation.teacher_forced)
+        self.vllm_bytes = vllm_bytes
         self.t, self.d, self.features = shape(target_config), shape(draft_config), feature_layers(draft_config)
         self.s, self.dtype, self.gpu = dtype_bytes(dtype), str(dtype).replace("torch.", ""), _gpu(device)
         self.n, self.m, self.candidates = int(prompt_tokens), int(max_new_tokens), list(candidates)
@@ -178,6 +185,18 @@ class LabelMemory:
                 "attention (one layer)": P * (L + q_walk) * rep(d),
                 "lm_head logits": min(HEAD_ROWS, P * len(self.candidates)) * t.vocab * s})},
         }
+        if self.vllm_bytes is not None:
+            # vllm_continuation.teacher_forced: rows chunked under FEATURE_ELEMENTS and LOGIT_ELEMENTS; a chunk's
+            # forward (every layer's hidden state, the MLP, the attention) and its logits over g's positions; the
+            # context features of the rows done (list, then cat) and the prefill logits kept
+            r = max(1, min(P, min(FEATURE_ELEMENTS // max(1, (t.layers + 1) * W * t.hidden),
+                                  LOGIT_ELEMENTS // max(1, m * t.vocab))))
+            for name in ("prefill", "handoff", "decode", "features"):
+                del phases[name]
+            phases = {"teacher-forced": {
+                "prefill logits": logits, "draft features x2 (list, cat)": 2 * P * L * F,
+                "teacher-forced forward": r * W * (hidden_all + F + 3 * t.intermediate * s + rep(t)),
+                "teacher-forced logits over g": r * m * t.vocab * s}, **phases}
         if self.trace_b:
             b = self.trace_b
             per = max(1, TRACE_MAX_ROWS // (b * P))  # starts per prompt per trace forward (trace.record_traces)
@@ -193,8 +212,12 @@ class LabelMemory:
                     "attention (one layer)": group * (L + q) * rep(d),
                     # logits, their float copy (bf16/fp16 only) and softmax's float output
                     "lm_head logits + softmax": head * t.vocab * (s + 4 + (4 if s < 4 else 0))})}
+        weights = dict(self.weights)
+        if self.vllm_bytes is not None:
+            weights["vLLM engine (continuation)"] = int(self.vllm_bytes)
         return Plan(f"label batch {P}, prompts <= {n} + {m} new tokens, {self.dtype} on "
-                    f"{'cuda' if self.gpu else 'cpu'}", dict(self.weights), phases)
+                    f"{'cuda' if self.gpu else 'cpu'}" + (", g from vLLM" if self.vllm_bytes is not None else ""),
+                    weights, phases)
 
 
 def engine_plan(target_config, draft_config, dtype, slots: int, prompt_tokens: int, max_new_tokens: int,

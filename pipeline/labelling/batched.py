@@ -72,7 +72,6 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         return []
     if min(len(p) for p in prompts) < 1:
         raise ValueError("every prompt needs at least one token")
-    P = len(prompts)
     t0 = engine.now()
     # g, the draft's context features and the prefill logits from one batched decode.
     if continuation_block_size:
@@ -82,6 +81,20 @@ def batched_replay_label_prompts(engine, prompts: Sequence, candidates: Sequence
         news, context, logits, prefill_seconds = greedy_continuations(
             engine.target, prompts, max_new_tokens, engine.stop_token_ids, pad_token_id,
             layer_ids=engine.draft.target_layer_ids, clock=engine.now)
+    return replay_along(engine, prompts, news, context, logits, candidates, max_new_tokens, t0, prefill_seconds,
+                        step_cost, trace_block_size)
+
+
+def replay_along(engine, prompts: List[List[int]], news: List[List[int]], context: torch.Tensor,
+                 logits: torch.Tensor, candidates: Sequence[int], max_new_tokens: int, t0: float,
+                 prefill_seconds: float, step_cost: Optional[Dict[int, float]] = None,
+                 trace_block_size: Optional[int] = None) -> List[PromptLabels]:
+    """Steps 2 and 3 for a batch whose g (``news``), context features [P, L, F] and prefill logits [P, V] are
+    known, however they were decoded (our greedy or speculative decode, or vLLM's continuation with a teacher-forced
+    pass: pipeline.labelling.vllm_continuation): every candidate's walks, the trace and the rows. ``t0``: when the
+    batch began (engine.now()); ``prefill_seconds`` of it go to the rows' prefill share, the rest until the walks
+    end to their decode share."""
+    P = len(prompts)
     gs = [p + c for p, c in zip(prompts, news)]
     runner = DraftRunner(engine.draft, engine.target, gs, context)
     walks = lockstep_walks(gs, [len(p) for p in prompts], max_new_tokens, list(candidates), runner.propose,

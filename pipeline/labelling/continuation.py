@@ -11,6 +11,12 @@ batch's rows, from the load grid (pipeline.policy.load_cost.LoadCost), and tau(B
 already made (replay measures tau at B for every prompt, so the first batch, without one, decodes greedily). The
 prediction leaves out the ragged tail (rows that finish early leave smaller steps) on both sides; both figures and
 the choice are logged and counted in the label summary.
+
+A third way, ``vllm`` (pipeline.labelling.vllm_continuation): vLLM decodes the continuations of a whole shard, then a
+teacher-forced target pass per batch. It is chosen per shard, before its batches: forced by ``label.continuation:
+vllm``, or under auto where vLLM is installed, its memory fits beside ours, and its measured costs (``vllm_costs``:
+seconds per decode step of c requests timed in vLLM at the worker's start, and the teacher-forced pass's seconds per
+token, pipeline.labelling.vllm_continuation.probe_costs) predict it cheaper than the cheaper of the other two.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class ContinuationChoice:
     tau_rows: int = 0
     last: Optional[dict] = None  # the last batch's choice and its two predictions
     records: List[dict] = field(default_factory=list)  # every batch's, since the last drained()
+    # vLLM's measured costs under auto ({"step": {c: seconds a decode step of c requests}, "teacher_per_token":
+    # seconds}); None: vllm is not among auto's ways (mode vllm needs none)
+    vllm_costs: Optional[dict] = None
 
     def __post_init__(self):
         if self.mode not in CONTINUATIONS:
@@ -80,9 +89,46 @@ class ContinuationChoice:
         tau = self.tau_sum / self.tau_rows
         return greedy, math.ceil(max_new_tokens / tau) * self._load.cost(self.block_size, rows)
 
+    def predict_vllm(self, rows: int, max_new_tokens: int, prompt_tokens: int) -> Optional[float]:
+        """Predicted seconds of vLLM's continuation and the teacher-forced pass for ``rows`` prompts of
+        ``prompt_tokens`` (None without vLLM's costs): max_new_tokens steps at the measured c nearest above
+        ``rows`` (the largest measured beyond it), plus the pass's seconds per token over rows x (prompt + g)."""
+        if not self.vllm_costs:
+            return None
+        step = {int(c): float(s) for c, s in self.vllm_costs["step"].items()}
+        c = min((c for c in step if c >= rows), default=max(step))
+        return (max_new_tokens * step[c] * max(1.0, rows / c)
+                + float(self.vllm_costs["teacher_per_token"]) * rows * (prompt_tokens + max_new_tokens))
+
+    def use_vllm(self, rows: int, max_new_tokens: int, prompt_tokens: int) -> bool:
+        """Per shard: vLLM's continuation (mode vllm; under auto, where its prediction beats the better of greedy and
+        speculative at ``rows`` per batch). Logged by the caller with :meth:`describe_vllm`."""
+        if self.mode == "vllm":
+            return True
+        if self.mode != "auto":
+            return False
+        v = self.predict_vllm(rows, max_new_tokens, prompt_tokens)
+        greedy, spec = self.predict(rows, max_new_tokens)
+        others = [x for x in (greedy, spec) if x is not None]
+        self.vllm_last = {"rows": rows, "predicted_vllm_seconds": v, "predicted_greedy_seconds": greedy,
+                          "predicted_speculative_seconds": spec}
+        return v is not None and bool(others) and v < min(others)
+
+    def describe_vllm(self) -> str:
+        x = getattr(self, "vllm_last", None) or {}
+        fmt = (lambda v: "n/a" if v is None else f"{v:.2f} s")
+        return (f"continuation at {x.get('rows')} rows a batch: predicted vllm {fmt(x.get('predicted_vllm_seconds'))}, "
+                f"greedy {fmt(x.get('predicted_greedy_seconds'))}, speculative "
+                f"{fmt(x.get('predicted_speculative_seconds'))} (mode {self.mode})")
+
+    def add(self, record: dict) -> None:
+        """A batch labelled along vLLM's continuation (vllm_continuation.vllm_replay_label_prompts' record)."""
+        self.last = record
+        self.records.append(record)
+
     def choose(self, rows: int, max_new_tokens: int) -> str:
         greedy, spec = self.predict(rows, max_new_tokens)
-        if self.mode != "auto":
+        if self.mode not in ("auto", "vllm"):
             way = self.mode
         else:
             way = "speculative" if greedy is not None and spec is not None and spec < greedy else "greedy"
@@ -105,7 +151,11 @@ class ContinuationChoice:
     @staticmethod
     def counts(records: List[dict]) -> Dict[str, int]:
         """Batches per way among ``records``, as the flat counts the label summary sums."""
-        return {f"continuation_{w}": sum(r["continuation"] == w for r in records) for w in ("greedy", "speculative")}
+        out = {f"continuation_{w}": sum(r["continuation"] == w for r in records)
+               for w in ("greedy", "speculative", "vllm")}
+        # prompts whose vLLM continuation was not the target's greedy one, labelled by greedy instead
+        out["continuation_vllm_fallback"] = sum(int(r.get("fallback", 0)) for r in records)
+        return out
 
     def describe(self) -> str:
         x = self.last or {}

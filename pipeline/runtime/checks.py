@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LABEL_MODES = ("auto", "exhaustive", "replay")
 LOGITS_PRECISIONS = ("fp16", "bf16")  # label.logits_precision; documented in pipeline/data/schemas.py
-CONTINUATIONS = ("auto", "greedy", "speculative")  # label.continuation (pipeline.labelling.continuation)
+CONTINUATIONS = ("auto", "greedy", "speculative", "vllm")  # label.continuation (pipeline.labelling.continuation)
 LABEL_ENGINES = ("hf", "vllm")  # label.engine (pipeline.labelling.vllm_labels)
 COMPILE_MODES = ("auto", "on", "off")  # engine.compile (pipeline.decoding.compiled), vllm.compile, profile.share
 LOAD_LOADS = ("evaluated", "changes")  # tune.load_loads (pipeline.evaluation.load_check.loads_to_check)
@@ -86,6 +86,14 @@ def validate(cfg) -> None:
     _check(cfg.profile.share_tolerance > 0, "profile.share_tolerance", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")
+    if cfg.label.continuation == "vllm":  # vLLM decodes replay's greedy g; our engine does everything else
+        _check(d.temperature == 0, "label.continuation", f"vllm decodes the target's greedy continuation, which is "
+               f"replay's only at T = 0 (decode.temperature={d.temperature:g}: the labels need the sampled one); "
+               "use greedy or auto")
+        _check(cfg.label.engine == "hf", "label.continuation", "vllm is replay's continuation for our engine's labels "
+               "(label.engine=hf); label.engine=vllm decodes every candidate in vLLM: drop one of the two")
+        _check(cfg.label.mode != "exhaustive", "label.continuation", "vllm is replay's continuation: "
+               "label.mode=exhaustive decodes every candidate itself (use replay or auto)")
     if cfg.label.engine == "vllm":  # vLLM decodes every candidate on its own batching: no replay, no trace
         _check(cfg.label.mode == "auto", "label.mode", "label.engine=vllm decodes every candidate itself: leave "
                "label.mode auto (replay and exhaustive are the hf engine's)")

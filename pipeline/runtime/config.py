@@ -152,8 +152,11 @@ class LabelConfig:
     logits_precision: str = "fp16"
     # One of CONTINUATIONS: how replay's target continuation g is decoded (pipeline/labelling/continuation.py):
     # greedy (one token a step) | speculative (the batched engine at B) | auto = per batch, whichever the worker's
-    # cost profile predicts cheaper. The labels are the same either way at T = 0; the float columns (logits, trace
-    # confidences) only to rounding, so under auto a rerun's shards need not match the first run's bit for bit.
+    # cost profile predicts cheaper (vllm among them where vLLM is installed) | vllm = vLLM decodes the shard's
+    # greedy continuations, one teacher-forced target forward gives the features and prefill logits, our draft
+    # replays (pipeline/labelling/vllm_continuation.py; T = 0 only; a continuation the target's argmax does not
+    # reproduce is decoded again by greedy). The labels are the same every way at T = 0; the float columns (logits,
+    # trace confidences) only to rounding, so under auto a rerun's shards need not match the first run's bit for bit.
     continuation: str = "greedy"
     # One of LABEL_ENGINES: hf = our engine (the exact reference; replay or exhaustive per `mode`) | vllm = vLLM, the
     # engine users serve with: every candidate one pass on its continuous batching, tau from its per-request

@@ -72,9 +72,11 @@ def test_the_choice_follows_the_predicted_costs():
     choice.observe([6.0] * 8)
     assert choice.choose(64, 128) == "speculative" and "speculative b=8" in choice.describe()
     shard = choice.drained()  # a shard's batches: their choices and predictions, then the counts from them
-    assert choice.counts(shard) == {"continuation_greedy": 2, "continuation_speculative": 1}
+    assert choice.counts(shard) == {"continuation_greedy": 2, "continuation_speculative": 1, "continuation_vllm": 0,
+                                    "continuation_vllm_fallback": 0}
     assert [r["continuation"] for r in shard] == ["greedy", "greedy", "speculative"]
-    assert choice.counts(choice.drained()) == {"continuation_greedy": 0, "continuation_speculative": 0}
+    assert choice.counts(choice.drained()) == {"continuation_greedy": 0, "continuation_speculative": 0,
+                                               "continuation_vllm": 0, "continuation_vllm_fallback": 0}
 
 
 def test_forced_modes_and_no_profile():

@@ -74,6 +74,8 @@ class Deploy:
     context: Optional[Dict[int, Any]] = None  # c -> the train split's ContextTable (tau and best b by prompt length)
     load_check: Optional[Dict[str, Any]] = None  # tune/load_check.json where it shaped ``schedule``, else None
     sweep: Optional[Dict[str, Any]] = None  # --cost-profile a vLLM sweep: its own best K, acceptance, rejects
+    options: Optional[Any] = None  # pipeline.evaluation.vllm_options.Options: plain / fixed K / schedule, priced
+    options_note: Optional[str] = None  # why there are none, or where their costs come from
 
     @property
     def no_speculation_at(self) -> List[int]:
@@ -244,6 +246,11 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
     draft, note = _model_path(str(cfg.model.draft))
     target, _ = _model_path(str(cfg.model.target))
     rule_path = run.step_rule
+    profile_path = run.policy / COST_PROFILE
+    options, options_note = vllm_options(run, cfg.train, info, b, sched,
+                                         serving if cost_profile is not None else
+                                         (_load_profile(profile_path) if profile_path.is_file() else None),
+                                         str(cost_profile) if cost_profile is not None else str(profile_path))
     return Deploy(
         run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
         draft_note=note, draft_revision=pinned_draft_revision(cfg, run.labels),
@@ -252,11 +259,53 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         rule_actions=[a.name for a in policy_actions(info["candidates"], info.get("rule_actions")) if a.rule],
         policy_answers_fallback_only=info.get("score") == SPEED_SCORE and info.get("margin") is None,
         step_rule=json.loads(rule_path.read_text()) if rule_path.is_file() else None,
-        schedule=sched, load_check=check, sweep=sweep,
+        schedule=sched, load_check=check, sweep=sweep, options=options, options_note=options_note,
         # each length bucket compared with the b the 3-item form serves at that load (the schedule, after the load
         # check, is over the same grid; without one, the fixed b): where length does not matter, both forms agree
         context=context_tables(run, cfg.train, info, None if cost_profile is None else serving,
                                base=lambda c: (sched or {}).get(c, b)))
+
+
+def _load_profile(path):
+    from pipeline.policy.cost import CostProfile
+
+    return CostProfile.load(path)
+
+
+def vllm_options(run: RunLayout, train_cfg, info: Dict[str, Any], fixed_b: int, sched: Optional[Dict[int, int]],
+                 profile, source: str):
+    """(Options, a note): plain vLLM, the fixed K and the schedule priced at every load of the profile's grid on the
+    label set's train split (pipeline.evaluation.vllm_options), and which deploy serves; (None, why) where they
+    cannot be priced (no profile, no label shards, no plain step in the profile)."""
+    from pipeline.evaluation.vllm_options import choose, price
+    from pipeline.io.shards import list_shards
+    from pipeline.policy.load_cost import LoadCost, has_ar, padded_width
+    from pipeline.training.data import read_splits
+
+    if profile is None:
+        return None, "no cost profile: the options are not priced"
+    shards = list_shards(run.labels) if run.labels.is_dir() else []
+    if not shards:
+        return None, f"{run.labels} holds no label shards: no tau to price the options with"
+    load = LoadCost.from_profile(profile)
+    if not has_ar(load):
+        return None, (f"the cost profile ({source}) has no plain step (b = 1) at every load: plain vLLM cannot be "
+                      "priced; time it (a sweep run without --speculative-config)")
+    cands = [int(b) for b in info["candidates"]]
+    calib = train_cfg.calibration_fraction if train_cfg.objective == "speed" else 0.0
+    splits = read_splits(shards, train_cfg.val_fraction, cands, calib)
+    widths = splits.train_widths
+    loads = list(load.concurrency) if len(load.concurrency) > 1 else [1]
+    schedule = dict(sched) if sched else {c: int(fixed_b) for c in loads}
+
+    def cost(b: int, c: int) -> float:
+        width = padded_width(widths, c) if widths is not None and len(widths) and c > 1 else None
+        return load.cost(b, c, width)
+
+    k0 = {int(c): float(v) for c, v in (profile.meta.get("speculative_k0") or {}).items()}
+    o = choose(price(splits.tau[splits.train][:, :len(cands)], cands, cost, loads, fixed_b, schedule, k0))
+    engine = profile.meta.get("engine") or profile.meta.get("source") or "our engine"
+    return o, f"{source} (timed in {engine})"
 
 
 def context_tables(run: RunLayout, train_cfg, info: Dict[str, Any], serving=None,
@@ -326,6 +375,62 @@ def vllm_schedule_config(d: Deploy) -> Optional[Dict[str, Any]]:
     if errors:  # a bug here, never the user's: say it rather than print a setting vLLM refuses
         raise ValueError(f"deploy built a schedule vLLM would refuse ({'; '.join(errors)}): {ranges}")
     return spec
+
+
+def option_config(d: Deploy, option: str) -> Optional[Dict[str, Any]]:
+    """vLLM's --speculative-config of one option of :mod:`pipeline.evaluation.vllm_options` (None: plain vLLM)."""
+    from pipeline.evaluation.vllm_options import FIXED, SCHEDULE
+
+    if option == FIXED:
+        return vllm_speculative_config(d) if d.block_size > 1 else None
+    if option == SCHEDULE:
+        return vllm_schedule_config(d) or (vllm_speculative_config(d) if not d.schedule and d.block_size > 1
+                                           else None)
+    return None
+
+
+def served_configs(d: Deploy) -> Dict[int, Optional[Dict[str, Any]]]:
+    """{c: the --speculative-config deploy serves at c (None: plain vLLM)} over the priced grid; without priced
+    options, the schedule (else the fixed K) at c = 1 and every load of the schedule."""
+    if d.options is None:
+        spec = vllm_schedule_config(d) or (vllm_speculative_config(d) if d.block_size > 1 else None)
+        return {c: spec for c in sorted(d.schedule or {1: d.block_size})}
+    return {c: option_config(d, o) for c, o in sorted(d.options.serve.items())}
+
+
+def options_lines(d: Deploy) -> List[str]:
+    """Plain vLLM, the fixed K and the schedule priced at each load, what deploy serves and why, and the commands."""
+    from pipeline.evaluation.vllm_options import FIXED, PLAIN, SCHEDULE, SPLIT, lines
+
+    if d.options is None:
+        return [f"Not priced: {d.options_note}."]
+    o = d.options
+    name = {PLAIN: "no --speculative-config", FIXED: f"K={d.block_size - 1}", SCHEDULE: "its K at c"}
+    out = [f"Expected output tokens/s over c streams at each load (costs: {d.options_note}; tau: the label set's "
+           "train split; x = against plain vLLM). A schedule's K = 0 is NOT plain vLLM: a server with a speculative "
+           "config runs the drafter's forward at every step, K = 0 included (vllm/v1/spec_decode/"
+           "llm_base_proposer.py, vLLM 0.32.0), so it is priced apart:", "", *lines(o, lambda n: name[n]), ""]
+    remote = ["--trust-remote-code"] if d.trust_remote_code else []
+    plain_cmd = _shell(["vllm", "serve", d.target, *remote])
+    if o.chosen == SPLIT:
+        spec = option_config(d, o.speculative)
+        at = [c for c, x in o.serve.items() if x == PLAIN]
+        out += [f"Deploys: plain vLLM and a speculative server ({o.speculative}), the load routed between them: "
+                f"{o.why}. Send a request to the plain server while the speculative one has {min(at)} or more "
+                "running, to the speculative one otherwise:", "", "```bash", plain_cmd,
+                _shell(["vllm", "serve", d.target, *remote, "--speculative-config", json.dumps(spec)]), "```"]
+    else:
+        spec = option_config(d, o.chosen)
+        out += [f"Deploys: {o.chosen}: {o.why}.", "", "```bash",
+                plain_cmd if spec is None else _shell(["vllm", "serve", d.target, *remote, "--speculative-config",
+                                                       json.dumps(spec)]), "```"]
+    zero = [c for c in o.loads if any(o.k[n][c] == 0 for n in o.k if n != PLAIN)]
+    if any(o.k0[c] != "measured" for c in zero):
+        out += ["", "A speculative server's K = 0 was not timed at c in "
+                f"{[c for c in zero if o.k0[c] != 'measured']}: priced as an estimate (a b = 2 step committing one "
+                "token); `--cost-profile` with a vLLM profile (label.engine=vllm's, or a sweep with a speculative "
+                "run at K = 0) measures it."]
+    return out
 
 
 def crossover(schedule: Dict[int, int]) -> Optional[int]:
@@ -541,6 +646,8 @@ def render(d: Deploy, short: bool = False) -> str:
     step, req = per_step_lines(d), per_request_lines(d)
     if short:
         under_load = f"Under load: {load_lines(d)[0]} " if d.schedule else ""
+        if d.options is not None:
+            under_load += f"vLLM deploys {d.options.chosen}: {d.options.why}. "
         md += [f"{under_load}Per-step rule: {step[0]} Per-request policy: no engine takes a block size per request yet "
                f"(`blockpilot deploy {d.run_dir}` gives the nearest settings and the details).", ""]
         return "\n".join(md)
@@ -550,6 +657,8 @@ def render(d: Deploy, short: bool = False) -> str:
     if d.schedule:
         md += ["vLLM, the schedule by load (one server whose concurrency varies):", "", "```bash",
                vllm_schedule_command(d), "```", "", DATA_PARALLEL_NOTE, ""]
+    md += ["vLLM, what to serve: plain, one fixed K or one schedule (or plain and speculative servers, the load "
+           "routed), priced per load:", ""] + options_lines(d) + [""]
     md += ["By prompt length:", ""] + context_lines(d) + [""]
     md += ["Per-step verify rule:", ""] + [f"- {x}" for x in step] + [""]
     md += ["Per-request block size:", ""] + [f"- {x}" for x in req] + [""]

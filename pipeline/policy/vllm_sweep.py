@@ -47,6 +47,12 @@ class SweepPoint:
     per_position: Optional[List[float]]
     file: str
     run_number: Optional[int] = None
+    speculative: Optional[bool] = None  # the server had a speculative config (at K = 0: the drafter still runs)
+
+    @property
+    def speculative_k0(self) -> bool:
+        """K = 0 inside a speculative server: not plain vLLM (module docstring)."""
+        return self.k == 0 and bool(self.speculative)
 
     @property
     def block_size(self) -> int:
@@ -136,7 +142,7 @@ def _point(rec: Any, file: str) -> SweepPoint:
         pp = _get(rec, "spec_decode_per_position_acceptance_rates")
         per = [float(x) for x in pp] if isinstance(pp, list) else None
     run = int(_num(rec, "run_number", False)) if _get(rec, "run_number") is not None else None
-    return SweepPoint(k or 0, c, thr, tpot, tau, per, file, run)
+    return SweepPoint(k or 0, c, thr, tpot, tau, per, file, run, speculative=k is not None)
 
 
 def read_sweep(folder: Union[str, Path]) -> SweepRead:
@@ -194,6 +200,11 @@ def sweep_profile(points: Sequence[SweepPoint], source: str, rejects: Sequence[D
     """The ``cost_profile.json`` dict (version 3) of a sweep's points: the top level at c = 1 and ``load`` at every
     other c. Without c = 1 the smallest c stands in for it at the top level (read as c = 1 there; ``top_level_note``)
     and is in ``load`` too, so it costs right at its own c. A c with no K >= 1 (no fit in b) is left out, rejected."""
+    k0: Dict[int, List[float]] = {}
+    for p in points:  # K = 0 in a speculative server: its own entry, never b = 1 (module docstring)
+        if p.speculative_k0:
+            k0.setdefault(p.concurrency, []).append(p.step_seconds)
+    points = [p for p in points if not p.speculative_k0]
     groups: Dict[Tuple[int, int], List[SweepPoint]] = {}
     for p in points:  # repeated runs (the sweep's --num-runs, 3 by default): the medians
         groups.setdefault((p.concurrency, p.block_size), []).append(p)
@@ -214,7 +225,8 @@ def sweep_profile(points: Sequence[SweepPoint], source: str, rejects: Sequence[D
             "top_level_concurrency": top, **note, "acceptance_length": by_c["tau"], "throughput": by_c["throughput"],
             "rejects": rejects, "seconds": parts[top]["seconds"], "measured": parts[top]["measured"],
             "fit": {**parts[top]["fit"], "from_block_size": 2}, "raw": parts[top]["raw"],
-            "load": {str(c): parts[c] for c in usable if c != 1}}
+            "load": {str(c): parts[c] for c in usable if c != 1},
+            "speculative_k0": {str(c): float(np.median(v)) for c, v in sorted(k0.items())}}
 
 
 def vllm_tune_choice(points: Sequence[SweepPoint], uncertainty_penalty: float = 1.0,
@@ -252,4 +264,5 @@ SWEEP_DOC = """## A `vllm bench sweep serve` folder as the cost profile (pipelin
 | `fit`, `load[c].fit` | draft 0; verify the affine fit of the step seconds over b >= 2 (one b: slope 0) |
 | `raw`, `load[c].raw` | per run: `b, k, concurrency, tpot_step_seconds, throughput_step_seconds, mean_tpot_ms, acceptance_length, output_throughput, per_position` (vLLM's per-position acceptance rates), `file` |
 | `rejects` | `{file, record, reason}` of every run or file left out |
+| `speculative_k0` | `{c: step seconds}` of speculative runs at K = 0 (the drafter runs: not plain vLLM, never b = 1); plain vLLM is b = 1, from runs without a speculative config |
 """

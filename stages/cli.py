@@ -170,7 +170,7 @@ def deploy_command(output_dir: str, cost_profile: Optional[str], check_vllm: boo
             from stages.deploy_check import check_vllm as check
 
             print()
-            return check(output_dir, say=lambda line: print(line, flush=True))
+            return check(output_dir, say=lambda line: print(line, flush=True), cost_profile=cost_profile)
     except (FileNotFoundError, KeyError, ValueError, RuntimeError) as err:
         print(f"blockpilot deploy: error: {err}", file=sys.stderr)
         return 1

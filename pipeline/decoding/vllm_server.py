@@ -113,6 +113,7 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = field(default=None, init=False)
     start_seconds: float = field(default=0.0, init=False)
+    _t0: float = field(default=0.0, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -127,14 +128,22 @@ class VllmServer:
                 *self.extra_args]
 
     def start(self, timeout: float = 600.0) -> "VllmServer":
+        return self.launch().wait(timeout)
+
+    def launch(self) -> "VllmServer":
+        """Start the process; :meth:`wait` for it to serve (several servers start side by side that way)."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
                                                                         f"{self.cpu_kv_cache_gb:g}")}
         self.log_path = Path(self.log_path or f"/tmp/blockpilot-vllm-{self.port}.log")
         log = open(self.log_path, "w")
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         log.close()
+        return self
+
+    def wait(self, timeout: float = 600.0) -> "VllmServer":
+        t0 = self._t0
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise ServerRefused(f"vLLM exited ({self.proc.returncode}) before it served: {self.tail()}")
@@ -195,3 +204,42 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass
+class ServerPool:
+    """vLLM servers kept up side by side, one per (configuration, settings), started on first use and stopped by
+    :meth:`close`: a check interleaves its repeats across them, and a test module reuses them across checks."""
+
+    log_dir: Optional[Path] = None
+    servers: Dict[str, VllmServer] = field(default_factory=dict)
+
+    def _key(self, target: str, speculative_config: Optional[Dict[str, Any]], kw: Dict[str, Any]) -> str:
+        return json.dumps([target, speculative_config, sorted((k, str(v)) for k, v in kw.items())], sort_keys=True)
+
+    def start(self, wanted: Sequence[tuple], target: str, **kw) -> Dict[str, Any]:
+        """{json of each config: its server} for ``wanted`` = [(name, speculative config or None)], the missing ones
+        launched side by side, then waited for. A refusal raises ServerRefused (the others are stopped)."""
+        new = []
+        for name, spec in wanted:
+            key = self._key(target, spec, kw)
+            if key not in self.servers:
+                log = None if self.log_dir is None else \
+                    Path(self.log_dir) / f"{name.replace(' ', '-')}-{len(self.servers) + len(new)}.log"
+                new.append((key, VllmServer(target, spec, log_path=log, **kw).launch()))
+        try:
+            for key, server in new:
+                self.servers[key] = server.wait()
+        except ServerRefused:
+            for _, server in new:
+                server.stop()
+            raise
+        return {json.dumps(spec): self.servers[self._key(target, spec, kw)] for _, spec in wanted}
+
+    def get(self, name: str, target: str, speculative_config: Optional[Dict[str, Any]], **kw) -> VllmServer:
+        return self.start([(name, speculative_config)], target, **kw)[json.dumps(speculative_config)]
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.stop()
+        self.servers.clear()

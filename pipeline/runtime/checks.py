@@ -105,6 +105,8 @@ def validate(cfg) -> None:
     _check(cfg.vllm.max_num_seqs >= 1, "vllm.max_num_seqs", "must be >= 1")
     _check(0 < cfg.vllm.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization", "must be in (0, 1]")
     _check(cfg.vllm.cpu_kv_cache_gb > 0, "vllm.cpu_kv_cache_gb", "must be > 0")
+    _check(cfg.vllm.check_repeats >= 2, "vllm.check_repeats", "must be >= 2 (a paired interval needs two repeats)")
+    _check(cfg.vllm.check_prompts >= 1, "vllm.check_prompts", "must be >= 1")
     _check(0 <= cfg.train.val_fraction < 1, "train.val_fraction", "must be in [0, 1)")
     _check(0 <= cfg.train.calibration_fraction and cfg.train.val_fraction + cfg.train.calibration_fraction < 1,
            "train.calibration_fraction", "must be >= 0 and leave training rows (val_fraction + it < 1)")

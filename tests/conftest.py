@@ -326,12 +326,23 @@ def s3_bucket(s3_server, monkeypatch, request):
 FAULT_MATRIX_ENV = "BLOCKPILOT_FAULT_MATRIX"
 
 
+def fault_cost(summary) -> str:
+    """A fault matrix row's cost from a stage's summary: its ``faults`` as the closing line says them, the prompts
+    rejected, and the stage's seconds."""
+    from pipeline.executor.driver import fault_line
+
+    said = fault_line(summary["faults"])[len("faults cost: "):].rsplit("; ", 1)[0] if summary.get("faults") else ""
+    return "; ".join(x for x in (said, f"{summary.get('rejects', 0)} prompt(s) rejected",
+                                 f"{summary.get('wall_seconds', 0):.0f} s") if x)
+
+
 @pytest.fixture
 def fault_row(request):
     """``fault_row(fault, stage, expected, rows)``: one row of the fault matrix, from the rows a fault test found
     after its fault and rerun (ids, duplicates included) against the rows it expected. The test asserts the same
     counts itself; this only records them (to $BLOCKPILOT_FAULT_MATRIX, when set) for the matrix's table."""
-    def record(fault: str, stage: str, expected, rows) -> None:
+    def record(fault: str, stage: str, expected, rows, cost: str = "") -> None:
+        """``cost``: what the fault cost besides rows (prompts rejected, workers restarted or retired, seconds)."""
         rows = list(rows)
         path = os.environ.get(FAULT_MATRIX_ENV)
         if path:
@@ -339,7 +350,7 @@ def fault_row(request):
                 fh.write(json.dumps({"test": request.node.nodeid, "fault": fault, "stage": stage,
                                      "expected": len(set(expected)), "found": len(set(rows)),
                                      "lost": len(set(expected) - set(rows)),
-                                     "duplicates": len(rows) - len(set(rows))}) + "\n")
+                                     "duplicates": len(rows) - len(set(rows)), "cost": cost}) + "\n")
     return record
 
 

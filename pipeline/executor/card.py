@@ -62,8 +62,9 @@ LAYOUT_DOC = f"""## Folder layout (every stage)
 
 A reject is one JSON object per line: `prompt_id` and `source` where known, `reason`, `detail`, and `worker`
 (decoding stages) or `source_row` and `file` (prepare). The decoding stages' reasons are `decode_error` (the prompt
-raised while decoding) and `out_of_memory` (it did not fit, alone): a rerun redoes their shards; a failing device
-leaves none (its shards go to another worker). Every shard carries the key-value metadata
+raised while decoding) and `out_of_memory` (it did not fit, alone): a rerun redoes their shards; and `breaks_device`
+(the prompt raised a sticky device error on two workers; `detail` names them and the error): kept on a rerun, which
+would break a third. A failing device leaves none (its shards go to another worker). Every shard carries the key-value metadata
 `blockpilot.fingerprint_sha256`, `blockpilot.config_sha256`, `blockpilot.package_version`, `blockpilot.stage` and,
 where it has one, `blockpilot.input_shard`. A shard counts as done on a rerun when its footer reads, it carries the
 folder's fingerprint, its rows plus its rejects account for every input row, none of its rejects is a decoding

@@ -212,6 +212,8 @@ def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], 
                "rejects_by_reason": manifest["rejects_by_reason"],
                "rejects_by_worker": manifest["rejects_by_worker"], **manifest["summary"],
                "workers": execution.workers}
+    if execution.faults:
+        summary["faults"] = execution.faults
     summary.update(stage.finalize(manifest))
     summary["wall_seconds"] = round(time.monotonic() - t0, 2)
     card = stage.card(manifest)
@@ -221,6 +223,29 @@ def _complete(stage: ShardStage, folder: StageFolder, manifest: Dict[str, Any], 
     reasons = ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) or "none"
     log(stage.name).info(f"done: {summary['rows']} rows in {summary['shards']} shard(s); {summary['rejects']} "
                          f"rejects ({reasons}); {summary['wall_seconds']} s -> {stage.folder}")
+    if execution.faults:
+        log(stage.name).warning(fault_line(execution.faults))
     for line in stage.summary_lines(summary):
         log(stage.name).info(line)
     return summary
+
+
+def fault_line(faults: Dict[str, Any]) -> str:
+    """The closing line's account of what faults cost (summary.json's ``faults``), e.g. "faults cost: 2 worker
+    restart(s), 1 worker retired (node/gpu3: ...), 1 prompt rejected as breaks_device (p-17)"."""
+    parts = []
+    if faults.get("restarted"):
+        parts.append(f"{len(faults['restarted'])} worker restart(s) ("
+                     + ", ".join(sorted({r['worker'] for r in faults['restarted']})) + ")")
+    for key, what in (("retired", "retired"), ("left_out", "left out by the preflight")):
+        if faults.get(key):
+            parts.append(f"{len(faults[key])} worker(s) {what} ("
+                         + "; ".join(f"{r['worker']}: {r['why'][:120]}" for r in faults[key]) + ")")
+    if faults.get("taken_back"):
+        parts.append(f"{len(faults['taken_back'])} shard(s) taken back past their deadline ("
+                     + ", ".join(f"{t['shard']} from {t['worker']} after {t['seconds']} s"
+                                 for t in faults["taken_back"]) + ")")
+    if faults.get("prompts_refused"):
+        parts.append(f"{len(faults['prompts_refused'])} prompt(s) rejected as breaks_device ("
+                     + ", ".join(sorted(faults["prompts_refused"])) + ")")
+    return "faults cost: " + ", ".join(parts) + "; every other prompt done"

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from pipeline.executor.failures import DeviceFailure
+from pipeline.executor.failures import RETRIED_REASONS, DeviceFailure
 from pipeline.executor.stage import Rejects, ShardStage, ShardTask, Worker
 from pipeline.io.shards import encode_metadata, write_jsonl_atomic, write_parquet_atomic
 from pipeline.runtime.log import get as log
@@ -24,13 +24,16 @@ Done = Callable[[ShardTask, Optional[Dict[str, Any]], Optional[str]], None]
 class Execution:
     workers: List[Dict[str, Any]]
     failures: List[str]  # "part-NNNNN.parquet: why"
+    # what faults cost the run (the Ray pool's: workers restarted, retired, left out, shards taken back, prompts
+    # refused; pipeline.executor.ray.pool_run.PoolRun.faults): summary.json's "faults", the closing line's
+    faults: Dict[str, Any] = field(default_factory=dict)
 
 
 def run_task(stage: ShardStage, task: ShardTask, worker: Worker) -> Dict[str, Any]:
     """Process one shard and write it: its rejects first, then the shard, each atomically, so the shard's presence
     is what marks the work done and a reader never sees half of it."""
     t0 = time.perf_counter()
-    rejects = Rejects(worker.identity)
+    rejects = Rejects(worker.identity, task.refused, task.alone)
     table = stage.process_shard(task.input, rejects)
     expected = (task.rows - len(rejects)) * stage.rows_per_input
     if table.num_rows != expected:  # a stage bug would otherwise pass the done check on a rerun
@@ -41,7 +44,9 @@ def run_task(stage: ShardStage, task: ShardTask, worker: Worker) -> Dict[str, An
     write_parquet_atomic(table.replace_schema_metadata(meta), task.output, checksum=task.checksum or None,
                          stats=stage.shard_stats(table), **stage.parquet_options(table))
     return {"shard": task.name, "rows": table.num_rows, "rejects": len(rejects), "worker": worker.identity,
-            "seconds": round(time.perf_counter() - t0, 3)}
+            "seconds": round(time.perf_counter() - t0, 3),
+            # what the pool weighs a worker by while the stage runs (pipeline.executor.failures.far_above)
+            "retried_rejects": sum(r.get("reason") in RETRIED_REASONS for r in rejects)}
 
 
 class LocalExecutor:

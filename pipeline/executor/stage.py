@@ -57,6 +57,11 @@ class ShardTask:
     rejects: str = ""
     checksum: str = ""  # the shard's sha256 sidecar, written with it (filled in by the driver)
     metadata: Dict[str, Any] = field(default_factory=dict)  # stamped into the shard's schema metadata
+    # What the Ray pool learnt of its prompts from device failures (pipeline.executor.failures): prompt id -> the
+    # error of those that broke two workers' devices (rejected, not decoded), and the ids to decode alone (a batch's
+    # sticky error: alone, the next failure names the one prompt)
+    refused: Dict[str, str] = field(default_factory=dict)
+    alone: Tuple[str, ...] = ()
 
 
 @dataclass
@@ -68,9 +73,12 @@ class Plan:
 class Rejects(list):
     """One shard's rejected rows; :meth:`add` fills the fields every reject file carries."""
 
-    def __init__(self, worker: str = ""):
+    def __init__(self, worker: str = "", refused: Optional[Dict[str, str]] = None, alone=()):
         super().__init__()
         self.worker = worker
+        # the shard's ShardTask.refused and .alone, for the stage's process_shard (pipeline.executor.local.run_task)
+        self.refused: Dict[str, str] = dict(refused or {})
+        self.alone = frozenset(alone)
 
     def add(self, row: Dict[str, Any], reason: str, detail: str) -> None:
         rec = {"prompt_id": row.get("prompt_id"), "source": row.get("source"), "reason": reason,

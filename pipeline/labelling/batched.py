@@ -126,13 +126,20 @@ class ShardBatches:
     """
 
     def __init__(self, prompt_ids: Sequence[str], input_ids: Sequence[Sequence[int]], batch_size: int,
-                 label_batch, with_rows: bool = False):
+                 label_batch, with_rows: bool = False, alone=(), skip=()):
         self.prompt_ids = list(prompt_ids)
         self.input_ids = [list(x) for x in input_ids]
         # [input ids, ...] -> [PromptLabels, ...]; with_rows: label_batch(ids, the shard rows they are) (per-row seeds)
         self.label_batch = label_batch
         self.with_rows = with_rows
-        self.chunks = length_sorted_chunks([len(x) for x in self.input_ids], batch_size)
+        # ``alone``: prompts in a batch that broke a device (the pool's ShardTask.alone), each its own batch here, so
+        # that a sticky error names its one prompt; ``skip``: prompts not decoded at all (ShardTask.refused: each_prompt
+        # rejects them without asking for them)
+        alone, self.skip = set(alone), set(skip)
+        rest = [i for i, p in enumerate(self.prompt_ids) if p not in alone and p not in self.skip]
+        self.chunks = [[rest[j] for j in c] for c in length_sorted_chunks([len(self.input_ids[i]) for i in rest],
+                                                                        batch_size)]
+        self.chunks += [[i] for i, p in enumerate(self.prompt_ids) if p in alone and p not in self.skip]
         self.chunk_of = {i: c for c, chunk in enumerate(self.chunks) for i in chunk}
         self.results: Dict[int, object] = {}
         self.next_row = 0
@@ -140,6 +147,8 @@ class ShardBatches:
         self.batches = self.failed = self.out_of_memory = self.retried = 0
 
     def __call__(self, rec) -> PromptLabels:
+        while self.next_row < len(self.prompt_ids) and self.prompt_ids[self.next_row] in self.skip:
+            self.next_row += 1
         i = self.next_row
         if i >= len(self.prompt_ids) or rec["prompt_id"] != self.prompt_ids[i]:
             raise RuntimeError(f"rows must be asked for in the shard's order (row {i}: {rec.get('prompt_id')!r})")
@@ -181,6 +190,11 @@ class ShardBatches:
                 self.results[i] = out
             return None
         except Exception as err:  # noqa: BLE001 - halved, or retried prompt by prompt (_label)
+            if sticky_device_error(err):  # the context is gone: no prompt can be retried in this process
+                ids = [self.prompt_ids[i] for i in chunk]
+                raise StickyBatch(f"the device failed on a batch of {len(ids)} prompt(s) "
+                                  f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]})",
+                                  ids) from None
             kind = "memory" if out_of_memory(err) else "error"
             if len(chunk) == 1:
                 self.results[chunk[0]] = _without_frames(err)
@@ -200,6 +214,28 @@ class ShardBatches:
 # cuBLAS and cuDNN say it in their own words ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"):
 # their workspace did not fit, as an out-of-memory, and the context stays usable, so not a sticky "CUDA error"
 LIBRARY_OOM = ("cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
+# Errors after which a CUDA context is unusable (every later kernel launch fails too): torch's and the driver's words.
+STICKY = ("cuda error", "illegal memory access", "device-side assert", "unspecified launch failure",
+          "cublas_status_execution_failed", "cublas_status_internal_error", "cudnn_status_execution_failed",
+          "uncorrectable ecc error", "nccl error", "an illegal instruction was encountered",
+          "misaligned address", "hip error")
+
+
+def sticky_device_error(err: BaseException) -> bool:
+    """An error after which the device is unusable in this process (not an out-of-memory: that one passes)."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return not out_of_memory(err) and any(s in text for s in STICKY)
+
+
+class StickyBatch(RuntimeError):
+    """A batch's sticky device error: raised for the batch's rows at once (none can be retried in this process),
+    with the prompt ids in flight; pipeline.executor.failures charges the worker's DeviceFailure to them."""
+
+    def __init__(self, message: str, prompts=()):
+        super().__init__(message)
+        self.prompts = tuple(prompts)
 
 
 def out_of_memory(err: BaseException) -> bool:

@@ -11,9 +11,13 @@ meet at ``output_dir/.profiles/<key>.json``:
   length) and reuse the shared profile; one whose own step times differ from it by more than
   ``profile.share_tolerance`` says so in the log, with both figures, and keeps the shared one (the labels of one set
   then rank the candidates by one cost model);
-* a worker that waited ``workers.check_timeout_s`` without a profile (its measurer died) measures its own; a rerun
-  starts by clearing the claims an earlier run left unfinished (:func:`clear_unfinished_claims`, the label driver's,
-  with the folder's lease held and no worker started).
+* the measurer beats while it measures (``<key>.beat.<n>`` rewritten every :data:`BEAT_S`), and the others wait as
+  long as it beats, however long the profile takes (a fixed wait made 63 workers of 64 each measure their own once
+  a profile took longer than it); a claim whose beat stops for :data:`STALE_S` (its measurer died, or was given up
+  on by the pool's setup deadline) is taken over at once by one of them (the exclusive create of
+  ``<key>.claim.<n+1>``), which measures and publishes for the rest; a rerun starts by clearing the claims an earlier
+  run left unfinished (:func:`clear_unfinished_claims`, the label driver's, with the folder's lease held and no
+  worker started).
 
 Sharing is on where the models run on GPUs (``profile.share: auto``): each GPU is its own device, so one measures
 for all. On CPUs the workers of a host share its cores, and each step of one is slowed by the others' work; each
@@ -24,12 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from pipeline.policy.cost import CostProfile
 
 POLL_S = 0.5
+BEAT_S = 5.0  # how often the measurer rewrites its beat
+# A beat unchanged this long means its measurer is gone: six beats, so that a slow write to object storage or a
+# garbage collection is not taken for a death, and a dead measurer costs the others half a minute, not the profile.
+STALE_S = 30.0
 
 
 def sharing(share: str, device_type: str) -> bool:
@@ -43,31 +53,36 @@ def kind_key(kind: Dict[str, Any]) -> str:
 
 
 def shared_profile(output_dir: str, kind: Dict[str, Any], measure: Callable[[], CostProfile],
-                   check: Callable[[], CostProfile], tolerance: float, wait_s: float,
-                   say: Callable[[str], None]) -> Tuple[CostProfile, Dict[str, Any]]:
-    """(the profile this worker labels with, how it got it: ``{"shared": "measured" | "reused" | "own",
-    "key": ..., and for a reuse the check's ratios}``)."""
+                   check: Callable[[], CostProfile], tolerance: float, say: Callable[[str], None],
+                   stale_s: float = STALE_S, beat_s: float = BEAT_S) -> Tuple[CostProfile, Dict[str, Any]]:
+    """(the profile this worker labels with, how it got it: ``{"shared": "measured" | "reused", "key": ...,
+    "generation": the claim it measured under (0 the first, more after takeovers), and for a reuse the check's
+    ratios}``)."""
     from pipeline.io.exclusive import exclusive_file
-    from pipeline.io.shards import write_text_atomic
     from pipeline.io.storage import location
 
     key = kind_key(kind)
     folder = location(output_dir) / ".profiles"
     folder.mkdir(parents=True, exist_ok=True)
-    done, claim = folder / f"{key}.json", folder / f"{key}.claim"
+    done = folder / f"{key}.json"
+    generation = 0
     found = _read(done)
-    if found is None and exclusive_file(claim, f".{key}.lock").create(json.dumps(kind).encode()) is not None:
-        profile = measure()
-        write_text_atomic(json.dumps(profile.to_dict()) + "\n", done)
-        return profile, {"shared": "measured", "key": key}
-    deadline = time.monotonic() + wait_s
-    while found is None and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        found = _read(done)
-    if found is None:
-        say(f"no shared cost profile at {done} after {wait_s:g} s (workers.check_timeout_s; its measurer may have "
-            "died): measuring this worker's own")
-        return measure(), {"shared": "own", "key": key}
+    while found is None:
+        claim = folder / (f"{key}.claim" + (f".{generation}" if generation else ""))
+        if exclusive_file(claim, f".{key}.{generation}.lock").create(json.dumps(kind).encode()) is not None:
+            beat = folder / f"{key}.beat.{generation}"
+            with _beating(beat, beat_s):
+                profile = measure()
+            from pipeline.io.shards import write_text_atomic
+
+            write_text_atomic(json.dumps(profile.to_dict()) + "\n", done)
+            beat.unlink(missing_ok=True)  # the profile is there: nobody reads the beat again
+            return profile, {"shared": "measured", "key": key, "generation": generation}
+        found = _wait(done, folder / f"{key}.beat.{generation}", stale_s)
+        if found is None:
+            say(f"the worker measuring the shared cost profile ({claim}) gave no sign of progress for {stale_s:g} s "
+                "(it died, or was given up on): taking its claim over")
+            generation += 1
     mine = check()
     ratios = {b: mine.seconds[b] / found.seconds[b] for b in mine.seconds if found.seconds.get(b)}
     worst = max(ratios.values(), key=lambda r: abs(r - 1.0)) if ratios else 1.0
@@ -79,20 +94,71 @@ def shared_profile(output_dir: str, kind: Dict[str, Any], measure: Callable[[], 
     return found, {"shared": "reused", "key": key, "check_ratio": {str(b): round(r, 4) for b, r in ratios.items()}}
 
 
+def _wait(done, beat, stale_s: float) -> Optional[CostProfile]:
+    """The published profile once there, or None once ``beat`` has not changed for ``stale_s`` (by this
+    process's clock: the nodes' clocks need not agree)."""
+    last, changed = _text(beat), time.monotonic()
+    while True:
+        found = _read(done)
+        if found is not None:
+            return found
+        now = _text(beat)
+        if now != last:
+            last, changed = now, time.monotonic()
+        elif time.monotonic() - changed > stale_s:
+            return None
+        time.sleep(POLL_S)
+
+
+@contextmanager
+def _beating(beat, every_s: float):
+    """Rewrites ``beat`` every ``every_s`` while the block runs (a thread: the measuring holds this one)."""
+    from pipeline.io.shards import write_text_atomic
+
+    stop = threading.Event()
+
+    def run():
+        n = 0
+        while True:
+            n += 1
+            try:
+                write_text_atomic(json.dumps({"beat": n}) + "\n", beat)
+            except OSError:  # storage not answering: the next beat tries again
+                pass
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=run, name="profile-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def clear_unfinished_claims(output_dir: str) -> int:
-    """Delete every claim under ``output_dir/.profiles`` without its profile; how many. Safe only before this run's
-    workers start (the label driver, under the folder's lease)."""
+    """Delete every claim (and beat) under ``output_dir/.profiles`` without its profile; how many claims. Safe only
+    before this run's workers start (the label driver, under the folder's lease)."""
     from pipeline.io.storage import location
 
     folder = location(output_dir) / ".profiles"
     if not folder.exists():
         return 0
     cleared = 0
-    for claim in folder.glob("*.claim"):
-        if not (folder / (claim.name[:-len(".claim")] + ".json")).exists():
-            claim.unlink()
-            cleared += 1
+    for path in list(folder.iterdir()):
+        key, _, rest = path.name.partition(".")
+        if rest.split(".")[0] in ("claim", "beat") and not (folder / f"{key}.json").exists():
+            path.unlink()
+            cleared += rest.startswith("claim")
     return cleared
+
+
+def _text(path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
 def _read(path) -> Optional[CostProfile]:

@@ -83,6 +83,10 @@ def validate(cfg) -> None:
     _check(cfg.prepare.shards_per_worker >= 0, "prepare.shards_per_worker", "must be >= 0 (0: every shard shard_size)")
     _check(cfg.workers.check_timeout_s > 0, "workers.check_timeout_s", "must be > 0")
     _check(cfg.workers.task_timeout_s > 0, "workers.task_timeout_s", "must be > 0")
+    _check(cfg.workers.shard_timeout_factor > 1, "workers.shard_timeout_factor", "must be > 1 (times a shard's "
+           "expected time)")
+    _check(cfg.workers.setup_timeout_s > 0, "workers.setup_timeout_s", "must be > 0")
+    _check(0 < cfg.workers.min_fraction <= 1, "workers.min_fraction", "must be in (0, 1]")
     _check(cfg.profile.share_tolerance > 0, "profile.share_tolerance", "must be > 0")
     _check(not (cfg.label.mode == "replay" and d.temperature > 0), "label.mode",
            "replay is exact only at temperature 0; use exhaustive or auto")

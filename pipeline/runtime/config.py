@@ -376,6 +376,17 @@ class WorkerConfig:
     # wait for resources before that is wait_s's.
     task_timeout_s: float = 7200.0
 
+    # A shard in flight longer than this many times its expected time (the median seconds a prompt of the shards
+    # done so far, times its prompts; at least 300 s) is taken back, given to another worker, and its worker
+    # restarted: a hung GPU or collective costs one shard's deadline, not the run.
+    shard_timeout_factor: float = 8.0
+    # Seconds a worker's setup (loading the models, its cost profile) may take before the pool gives up on it and
+    # starts another on another node.
+    setup_timeout_s: float = 1800.0
+    # The share of the expected workers that must pass the preflight for a stage to go on without the others
+    # (named, with why, in the table and summary.json); below it the preflight refuses. 0.9: all of up to 9
+    # workers, 58 of 64.
+    min_fraction: float = 0.9
 
 @dataclass
 class RayConfig:

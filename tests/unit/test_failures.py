@@ -24,8 +24,15 @@ SCHEMA = pa.schema([("prompt_id", pa.string()), ("x", pa.int64())])
 def test_a_sticky_device_error_is_the_devices_at_once():
     f = PromptFailures("node/gpu3")
     assert sticky_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
-    with pytest.raises(DeviceFailure, match=r"worker node/gpu3: the device failed \(RuntimeError: CUDA error"):
-        f.failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(DeviceFailure, match=r"worker node/gpu3: the device failed on prompt p-7 \(RuntimeError: "
+                                            r"CUDA error") as failure:
+        f.failed(RuntimeError("CUDA error: an illegal memory access was encountered"), "p-7")
+    assert failure.value.prompts == ("p-7",)  # charged to the prompt in flight (issue #67)
+    # and it survives the trip from a Ray actor to the driver (pickled), prompts included
+    import pickle
+
+    back = pickle.loads(pickle.dumps(failure.value))
+    assert type(back) is DeviceFailure and back.prompts == ("p-7",) and str(back) == str(failure.value)
     # an out-of-memory says "CUDA" too, and is the prompt's (its size), not the device's: no raise, not counted
     oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert not sticky_device_error(oom)
@@ -152,3 +159,33 @@ def test_failures_in_a_row_start_again_with_each_shard():
     assert shard([f"bad{i}" for i in range(bad)] + ["ok"]) == (1, ["decode_error"] * bad)
     with pytest.raises(DeviceFailure, match="in a row"):
         shard([f"bad{i}" for i in range(FAILURES_IN_A_ROW)])
+
+
+def test_far_above_takes_out_a_worker_only_on_enough_failures_over_the_limit_and_far_above_the_others():
+    """Issue #67: a worker whose failures run far above the others' is taken out while the stage runs."""
+    from pipeline.executor.failures import FAR_ABOVE, MIN_FAILURES, far_above
+
+    # every prompt of its first two shards out of memory, the others clean: out
+    assert far_above(MIN_FAILURES, MIN_FAILURES, 0, 64, MIN_FAILURES, 0.01)
+    # one short of the count: not yet, whatever the rate
+    assert not far_above(MIN_FAILURES - 1, MIN_FAILURES - 1, 0, 64, MIN_FAILURES, 0.01)
+    # bad prompts fall alike on every worker: the same rate as the others' is not far above it
+    assert not far_above(10, 100, 100, 1000, MIN_FAILURES, 0.01)
+    # FAR_ABOVE times the others' rate is out, just under it is not
+    assert far_above(40, 100, 10, 1000, MIN_FAILURES, 0.01) == (0.4 >= FAR_ABOVE * 0.01)
+    assert not far_above(39, 1000, 10, 1000, MIN_FAILURES, 0.01)
+    # at or under the stage's max_reject_fraction: never out, however far above the others
+    assert not far_above(10, 1000, 0, 1000, MIN_FAILURES, 0.01)
+    assert far_above(11, 1000, 0, 1000, MIN_FAILURES, 0.01)
+    # no one else has tried anything yet: the count and the limit decide
+    assert far_above(MIN_FAILURES, MIN_FAILURES, 0, 0, MIN_FAILURES, 0.01)
+
+
+def test_the_preflight_goes_on_without_failing_workers_only_when_enough_pass():
+    """Issue #67: workers.min_fraction of the expected workers must pass; rounded up, and at least one."""
+    from pipeline.executor.ray.preflight import enough_pass
+
+    assert enough_pass(63, 64, 0.9) and enough_pass(58, 64, 0.9) and not enough_pass(57, 64, 0.9)
+    assert not enough_pass(1, 2, 0.9) and enough_pass(2, 2, 0.9)  # small pools: every worker, as before
+    assert not enough_pass(8, 9, 0.9) and enough_pass(9, 10, 0.9)
+    assert not enough_pass(0, 1, 0.0001) and enough_pass(1, 2, 0.5)

@@ -35,6 +35,13 @@ class RayActorPool:
     rejoin_wait_s = 60.0  # how long a restarting actor keeps its lost shard, or is waited for when no other is left
     poll_s = 1.0  # how often lost actors, the node table and joining GPUs are looked at
     progress_s = 15.0  # seconds between "waiting for workers" lines
+    # The least a shard's deadline can be (workers.shard_timeout_factor times its expected time): a shard of a few
+    # prompts done in seconds must not be taken back for a pause (a garbage collection, a slow write to storage).
+    shard_floor_s = 300.0
+    # Fresh processes a worker whose device failed gets before its GPU is retired: one. A sticky CUDA error is
+    # the process's (its context), cleared by a new one at the cost of a model load; a GPU that fails again in a
+    # fresh process is the GPU's, and each further try would cost another shard's time and another load.
+    device_restarts = 1
 
     def __init__(self, ray_cfg: RayConfig, wait_s: float = 600.0, check_s: float = 900.0):
         self.ray_cfg = ray_cfg
@@ -50,4 +57,4 @@ class RayActorPool:
             failures = run.drive()
         finally:  # also on an error or an interrupt: a job on a long-lived cluster must not leave actors behind
             run.kill_all()
-        return Execution(run.workers(), failures)
+        return Execution(run.workers(), failures, run.faults())

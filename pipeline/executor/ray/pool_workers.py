@@ -5,10 +5,11 @@ A mixin of :class:`pipeline.executor.ray.pool_run.PoolRun`, which holds the stat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from pipeline.executor.preflight import where
 from pipeline.executor.stage import ShardTask
 
 from .placement import avoiding, could_host
@@ -44,6 +45,18 @@ class PoolActor:
     next_ping: float = 0.0
     deaths: int = 0  # losses seen: Ray restarts an actor max_restarts times, no more
     retired: str = ""  # why, once its device failed (PoolRun.retire): GONE, and its GPU is not given another actor
+    ref: Any = None  # its call in flight (a shard's, a setup's), and since when: the deadlines count from it
+    since: float = 0.0
+    # what the pool weighs it by (pipeline.executor.failures): device failures not put down to a prompt since its
+    # last good shard, restarts the pool asked for, prompts and shards tried, rejects with a retried reason, shard
+    # errors, and the shards it wrote with such rejects (redone by others if it is taken out)
+    device_failures: int = 0
+    restarts: int = 0
+    prompts: int = 0
+    shards: int = 0
+    retried_rejects: int = 0
+    shard_errors: int = 0
+    with_rejects: List[ShardTask] = field(default_factory=list)
 
     @property
     def down(self) -> bool:
@@ -76,14 +89,20 @@ class WorkerStarts:
             self.new_actor()
         report = preflight(self, self.actors)
         self.spec = report.spec
-        for a, row in zip(self.actors, report.rows):
+        for i, (a, row) in enumerate(zip(self.actors, report.rows)):
             a.sees(row)
+            if i in report.excluded:  # failed its checks, the others enough (workers.min_fraction): not used
+                why = "; ".join(f"{k}: {m}" for k, m in row.get("problems", []))[:300]
+                a.state, a.retired = ActorState.GONE, f"left out by the preflight: {why}"
+                self.events["excluded"].append({"worker": where(row), "why": why})
+                self.ray.kill(a.handle, no_restart=True)
+                continue
             self.setup(a)
         return report
 
     def setup(self, a: PoolActor) -> None:
         a.state = ActorState.STARTING
-        self.waiting[a.handle.setup.remote()] = a
+        self.call(a, a.handle.setup.remote())
 
     def check(self, a: PoolActor) -> None:
         """A worker started after the preflight (a joining GPU, a replacement) runs the same checks first."""
@@ -156,7 +175,10 @@ class WorkerStarts:
                  "status": "placed, not set up: no shard left for it"}
                 for a in self.actors if a.state is not ActorState.GONE and a.pid is not None
                 and (a.identity, a.pid) not in seen]
-        return self.infos + rest
+        # every worker the pool gave up on, with why (the preflight's left out, the retired), and the restarted
+        out = [{"identity": a.identity, "node_id": a.node, "gpu_ids": a.gpu_ids, "status": a.retired}
+               for a in self.actors if a.retired]
+        return self.infos + rest + out
 
     def kill_all(self) -> None:
         for a in self.actors:

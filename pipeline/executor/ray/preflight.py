@@ -10,12 +10,13 @@ runs it for the label stage (the main job) and stops there; it runs on a laptop 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
 
-from pipeline.executor.preflight import driver_probe, one_line, table, unreadable, verdict
+from pipeline.executor.preflight import driver_probe, one_line, table, unreadable, verdict, where
 from pipeline.runtime.log import get as log, said_before
 
 
@@ -33,6 +34,13 @@ class Report:
     spec: Any
     rows: List[Dict[str, Any]]  # one per actor, in the actors' order
     problems: List[tuple]
+    excluded: List[int] = field(default_factory=list)  # the actors (indices) that failed, left out of the run
+
+
+def enough_pass(passed: int, expected: int, min_fraction: float) -> bool:
+    """Whether ``passed`` of ``expected`` workers are enough to go on without the others (workers.min_fraction):
+    at least one, and at least that share of the expected, rounded up (with 0.9, all of up to 9 workers, 58 of 64)."""
+    return passed >= max(1, math.ceil(min_fraction * expected - 1e-9))
 
 
 def preflight(run, actors, full_table: bool = False) -> Report:
@@ -84,6 +92,17 @@ def preflight(run, actors, full_table: bool = False) -> Report:
     for line in ((rows[0].get("memory") or {}).get("plan") or "").splitlines():  # the first worker's plan, with -v
         say.debug("  " + line)
     _clean(spec)
+    bad = [i for i, r in enumerate(rows) if r.get("problems") or "pid" not in r]
+    min_fraction = getattr(getattr(stage.cfg, "workers", None), "min_fraction", 1.0)
+    cluster_wide = len({r.get("dtype") for r in rows if r.get("dtype")}) > 1  # no worker to leave out for it
+    if problems and bad and not cluster_wide and enough_pass(len(rows) - len(bad), len(rows), min_fraction):
+        for i in bad:
+            r = rows[i]
+            say.warning(f"preflight: worker {where(r)} left out, " + "; ".join(f"{k}: {m}" for k, m in
+                                                                             r.get("problems", [])))
+        say.warning(f"preflight: {len(rows) - len(bad)} of {len(rows)} workers passed (at least workers.min_fraction"
+                    f"={min_fraction:g} of them must): going on without the {len(bad)} above")
+        return Report(spec, rows, problems, bad)
     if problems:
         first = "; ".join(f"{w}: {k}: {m}" for w, k, m in problems[:3])
         more = f" (and {len(problems) - 3} more above)" if len(problems) > 3 else ""

@@ -267,11 +267,17 @@ LABEL_METADATA_DOCS: Dict[str, str] = {
     "hardware, device, dtype, models and grid of the worker that labelled the most rows (`pooled_workers`).",
     "device": "torch device and dtype of the worker.", "input_shard": "The prompt shard this shard was made from.",
     "batching": "{batches, batches_failed, batches_out_of_memory, prompts_retried_alone, continuation_greedy, "
-    "continuation_speculative}: label.batch_size's batches in this shard, the failed ones whose prompts were "
-    "labelled one by one, and how many decoded the target's continuation each way (label.continuation).",
+    "continuation_speculative, continuation_vllm, continuation_vllm_fallback}: label.batch_size's batches in this "
+    "shard, the failed ones whose prompts were labelled one by one, how many decoded the target's continuation each "
+    "way (label.continuation), and the prompts whose vLLM continuation was not the target's greedy one (labelled by "
+    "greedy instead).",
     "continuations": "Per batch of this shard, in order: {continuation (greedy or speculative), rows, "
     "predicted_greedy_seconds, predicted_speculative_seconds (null before this worker measured tau(B)), "
-    "block_size, tau (the worker's mean tau(B) so far)}: the cost profile's prediction the choice was made on.",
+    "block_size, tau (the worker's mean tau(B) so far)}: the cost profile's prediction the choice was made on; "
+    "or, for a batch along vLLM's continuation (pipeline/labelling/vllm_continuation.py), {continuation: vllm, rows, "
+    "fallback (prompts labelled by greedy instead), fallback_reasons ({row in the batch: why its g was not the "
+    "target's greedy one}), seconds ({continuation: the batch's share of vLLM's, teacher_forced, replay, "
+    "fallback_greedy})}.",
     "worker": "The worker that labelled the shard.", "stage": "The stage that wrote the shard (label).",
     "engine_compile": "Whether the worker's engine ran torch.compile'd (engine.compile as it resolved there).",
     "continuation": "label.continuation: how replay decoded the target's continuation (the `continuations` key "

@@ -6,8 +6,8 @@ choice, not the labelling machine's). The check starts what deploy serves, plain
 and, where the served configuration's K at c = 1 is not the fixed K deploy would otherwise print, that fixed K, side
 by side (pipeline.decoding.vllm_server.ServerPool), and at the loads of the grid that cover it, c = 1, the middle
 grid load and the largest (each no larger than vllm.max_num_seqs), sends the label set's val prompts (never an
-evaluation set; 4 per slot, at least 16, at most ``vllm.check_prompts``) at T = 0, one prompt a request, c in
-flight. Each of ``vllm.check_repeats`` repeats runs every server once in a fresh order (a repeat's servers share the
+evaluation set; 4 requests per slot, at least 16, at most ``vllm.check_prompts``, the val prompts sent again in
+turn where there are fewer) at T = 0, one prompt a request, c in flight. Each of ``vllm.check_repeats`` repeats runs every server once in a fresh order (a repeat's servers share the
 machine's state), and the served configuration's tokens/s are paired with plain's per repeat: the gain with a 95 %
 t interval over the log ratios (pipeline.evaluation.load.paired_ratio, as evaluate's and tune's paired figures).
 
@@ -165,9 +165,10 @@ def check_settings(run) -> Tuple[int, int]:
 
 
 def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, deploy=None, pool=None,
-               seed: int = 0) -> int:
+               seed: int = 0, repeats: Optional[int] = None) -> int:
     """Serve what deploy prints and judge it (module docstring); exit status. ``deploy``: a Deploy to check instead
-    of the run's (a test forces a losing one); ``pool``: a ServerPool to reuse (closed by the caller)."""
+    of the run's (a test forces a losing one); ``pool``: a ServerPool to reuse (closed by the caller); ``repeats``:
+    instead of vllm.check_repeats."""
     from omegaconf import OmegaConf
 
     from pipeline.decoding.vllm_engine import check_installed
@@ -181,7 +182,8 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
     d = deploy if deploy is not None else load_deploy(output_dir, cost_profile)
     run = RunLayout(location(output_dir))
     cfg = OmegaConf.create((run.train / CONFIG).read_text())
-    repeats, most_prompts = check_settings(run)
+    configured, most_prompts = check_settings(run)
+    repeats = configured if repeats is None else int(repeats)
     served_at = served_configs(d)
     max_seqs = int(cfg.vllm.max_num_seqs)
     loads = check_loads(list(served_at), max_seqs)
@@ -245,8 +247,8 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
         rng = random.Random(seed)
         measured = []
         for c in loads:
-            n = min(len(ids), max(MIN_PROMPTS, PER_SLOT * c), most_prompts)
-            these = ids[:n]
+            n = min(max(MIN_PROMPTS, PER_SLOT * c), most_prompts)
+            these = [ids[i % len(ids)] for i in range(n)]  # the val prompts again where fewer: c stay in flight
             mine = json.dumps(at(c))
             timed = [json.dumps(None)] + ([mine] if at(c) is not None else []) + \
                 ([json.dumps(fixed)] if c == 1 and need_fixed else []) + \
@@ -268,7 +270,7 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
         "x plain, 95 % paired                       modelled  tokens = plain")
     notes = []
     for c, n, mine, runs in measured:
-        running = min(c, n)
+        running = min(c, n)  # requests in flight (n requests, the val prompts cycled where fewer)
         spec = json.loads(mine)
         plain = [r.throughput for r in runs[json.dumps(None)]]
         serves = PLAIN if spec is None else (opt.serve[max(x for x in opt.serve if x <= c)] if opt else "printed")
@@ -312,9 +314,8 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
                              f"{1 + vs['gain']:.3f}x")
     for x in notes:
         say(f"  {x}")
-    if len(ids) < max(loads):
-        say(f"  note: {len(ids)} val prompts, so at most {len(ids)} requests ran together at c={max(loads)} "
-            "(more label prompts, or train.val_fraction, give a full load)")
+    if len(ids) < max(max(MIN_PROMPTS, PER_SLOT * c) for c in loads):
+        say(f"  note: {len(ids)} val prompts, sent again in turn to make up each load's requests")
     for f in failures:
         say(f"vLLM check FAILED: {f}")
     if not failures:

@@ -166,7 +166,8 @@ class VllmServer:
             lines = [x.strip() for x in Path(self.log_path).read_text(errors="replace").splitlines() if x.strip()]
         except OSError:
             return "(no log)"
-        causes = [x for x in lines if re.search(r"\b\w*(Error|Exception): ", x) and "initialization failed" not in x]
+        causes = [x for x in lines if re.search(r"\b\w*(Error|Exception): ", x) and "initialization failed" not in x
+                  and not re.search(r"\bWARNING\b", x)]  # e.g. vLLM's ulimit warning names an OSError it may cause
         return " | ".join(([re.sub(r"^.*?\b(\w*(Error|Exception): )", r"\1", causes[0])] if causes else [])
                           + lines[-n:])
 

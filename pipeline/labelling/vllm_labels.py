@@ -112,20 +112,11 @@ class PlainEngine:
         return got
 
     def shutdown(self) -> None:
-        """As VllmEngine.shutdown: the engine core shut down, then collected until nothing more is freed (its oneDNN
-        handlers must not die inside a later, unrelated collection)."""
-        import gc
-
-        if self.llm is None:
-            return
-        core = getattr(self.llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-        del core
+        """Dropped with the speculative engine it was started beside, never before it: freeing a vLLM engine in this
+        process tears down the process's distributed state (vllm/v1/engine/core.py: cleanup_dist_env_and_memory; and
+        so does collecting it), which the speculative engine still runs on (measured on the bundled pair: its next
+        pass failed "pipeline model parallel group is not initialized")."""
         self.llm = None
-        for _ in range(3):
-            if not gc.collect():
-                break
 
 
 def measure_profile(engine, block_sizes: Sequence[int], concurrency: Sequence[int], context_lengths: Sequence[int],
@@ -134,18 +125,22 @@ def measure_profile(engine, block_sizes: Sequence[int], concurrency: Sequence[in
     """``cost_profile.json`` (version 3) from vLLM: at each c, c random-token prompts of each context length decode
     ``2 * steps`` tokens together (EOS ignored, so all c run to the end) at every b (shuffled per round); a point's
     step seconds are its requests' mean TPOT x tau (vllm_sweep.SweepPoint). b = 1 is plain vLLM (``plain``, a
-    PlainEngine; None: one is started beside ``engine`` and shut down after), and K = 0 in ``engine`` is timed as the
-    separate ``speculative_k0`` entry (module docstring)."""
+    PlainEngine; None: the one started beside ``engine``, kept as ``engine.plain_engine`` for as long as it lives),
+    and K = 0 in ``engine`` is timed as the separate ``speculative_k0`` entry (module docstring)."""
     from pipeline.policy.vllm_sweep import SweepPoint, sweep_profile
 
-    own = plain is None
-    plain = PlainEngine(engine) if own else plain
+    if plain is None:  # one per speculative engine, kept while it lives (PlainEngine.shutdown says why)
+        plain = getattr(engine, "plain_engine", None) or PlainEngine(engine)
+        engine.plain_engine = plain
     rng = random.Random(seed)
     vocab = engine.vocab_size
     bs = sorted({1, *map(int, block_sizes)})
     kinds = [(b, False) for b in bs] + [(1, True)]  # (b, speculative): (1, True) is K = 0 with the drafter loaded
     points, t0 = [], time.perf_counter()
     try:
+        warm = [[rng.randrange(10, vocab - 10) for _ in range(int(min(context_lengths)))]]
+        for which, k in ((plain, 0), (engine, 0), (engine, max(bs) - 1)):  # first passes allocate: untimed
+            which.decode(warm, k, 4, stop_on_eos=False)
         for r in range(rounds):
             for c in sorted(set(map(int, concurrency))):
                 engine.set_concurrency(c)
@@ -166,8 +161,6 @@ def measure_profile(engine, block_sizes: Sequence[int], concurrency: Sequence[in
                                                  speculative=b > 1 or in_spec))
     finally:
         engine.set_concurrency(engine.max_num_seqs)
-        if own:
-            plain.shutdown()
     d = sweep_profile(points, "vllm offline")
     d.update({"source": f"{engine.version}: LLM.generate, c requests together (pipeline/labelling/vllm_labels.py)",
               "device": (meta or {}).get("device", "vllm"), "rounds": rounds, "stable": False,  # no convergence check: the rounds asked for

@@ -353,8 +353,9 @@ class VllmConfig:
     # start there and decoded no faster on the tiny pair: pipeline/decoding/vllm_engine.py) | on | off.
     compile: str = "auto"
     # `blockpilot deploy --check-vllm` (stages/deploy_check.py): paired repeats of the served configuration against
-    # plain vLLM at each checked load (>= 2: an interval needs two), and the most val label prompts sent at one load.
-    check_repeats: int = 3
+    # plain vLLM at each checked load (>= 2: an interval needs two), and the most requests sent at one load
+    # (4 per slot, at least 16; the val label prompts again in turn where there are fewer).
+    check_repeats: int = 5
     check_prompts: int = 64
 
 

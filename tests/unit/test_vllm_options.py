@@ -98,3 +98,11 @@ def test_each_failure_branch_fires_on_its_figures():
     assert drafted == ["c=16: drafted K [0, 9], but the configuration sets [0, 3, 7] at 1..16 running requests"]
     few = judge(_m(running=7))
     assert few[0].startswith("c=16 (7 running: fewer val prompts than c): ")
+
+
+@pytest.mark.parametrize("key,value", [("vllm.check_repeats", 1), ("vllm.check_prompts", 0)])
+def test_a_bad_check_setting_fails_fast_naming_the_key(key, value):
+    from pipeline.runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([f"{key}={value}"])

@@ -3,6 +3,12 @@ achieved against the HBM bound. The vLLM step of ``benchmarks/gpu_check.sh``.
 
     python benchmarks/vllm_label_costs.py --hbm-gbs 4800 --out DIR/vllm-label-costs.json      # on a GPU
     python benchmarks/vllm_label_costs.py --smoke --out DIR/vllm-label-costs.json             # CPU: a check of it
+    python benchmarks/vllm_label_costs.py --profile-out DIR/vllm-profile.json ...             # and vLLM's step costs
+
+``--profile-out``: the same engine's cost profile (pipeline.labelling.vllm_labels.measure_profile at c in
+``--profile-concurrency``): b = 1 in plain vLLM (no speculative config, no drafter), K = 0 in the speculative engine
+as its own ``speculative_k0`` entry (vLLM runs the drafter's forward there too), every candidate at K = b - 1; the
+summary prints K = 0's step over plain's at each c, the price of a schedule's K = 0 range on this device.
 
 The pair is gpu_label_costs.py's (random weights with Qwen3-8B's shapes, a 5-layer DFlash-b16 draft reading target
 layers [1, 9, 17, 25, 33]: no hub download here), saved to a temporary folder as vLLM loads checkpoints, in bf16;
@@ -40,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-gbs", type=float, default=None, help="HBM bandwidth in GB/s (H200: 4800)")
     ap.add_argument("--smoke", action="store_true", help="CPU, narrow models: that the script runs")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-out", default=None, help="also time vLLM's cost profile (plain, K = 0, each b)")
+    ap.add_argument("--profile-concurrency", default="1,16")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
@@ -66,7 +74,8 @@ def main(argv=None) -> int:
         draft.save_pretrained(Path(tmp) / "draft")
         del target, draft
         engine = VllmEngine(str(Path(tmp) / "target"), str(Path(tmp) / "draft"), name, max_k=max(cands) - 1,
-                            max_num_seqs=max(a.prompts, 1), max_model_len=a.prompt_tokens + a.max_new_tokens + 64,
+                            max_num_seqs=max(a.prompts, 1, *([int(c) for c in a.profile_concurrency.split(",")] if a.profile_out
+                                                   else [])), max_model_len=a.prompt_tokens + a.max_new_tokens + 64,
                             enforce_eager=device == "cpu", skip_tokenizer_init=True).start()
         gen = torch.Generator().manual_seed(0)
         vocab = g.QWEN3_8B["vocab_size"]
@@ -76,6 +85,14 @@ def main(argv=None) -> int:
         rows = label_batch(engine, prompts, cands, a.max_new_tokens, None)
         seconds = time.perf_counter() - t0
         steps = sum(max(r.steps[j] for r in rows) for j in range(len(cands))) + 1  # + the features' pass
+        profile = None
+        if a.profile_out:
+            from pipeline.labelling.vllm_labels import measure_profile
+            from pipeline.policy.cost import CostProfile
+
+            cs = [int(c) for c in a.profile_concurrency.split(",")]
+            profile = measure_profile(engine, cands, cs, [a.prompt_tokens], 16, meta={"device": device})
+            CostProfile.from_dict(profile).save(a.profile_out)
         engine.shutdown()
     res = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke: the figures mean nothing)",
            "engine": engine.version, "dtype": name, "prompts": a.prompts, "prompt_tokens": a.prompt_tokens,
@@ -85,6 +102,14 @@ def main(argv=None) -> int:
            "mean_tau": sum(sum(r.tau) / len(r.tau) for r in rows) / len(rows)}
     if a.hbm_gbs:
         res["fraction_of_hbm"] = res["achieved_gbs"] / a.hbm_gbs
+    if profile is not None:
+        def plain_at(c):
+            part = profile if c == profile["top_level_concurrency"] else profile["load"][str(c)]
+            return part["measured"]["1"]["total"]
+
+        res["k0_over_plain"] = {c: profile["speculative_k0"][c] / plain_at(int(c)) for c in profile["speculative_k0"]}
+        print("vLLM's step at K = 0 with the drafter over plain vLLM's: "
+              + ", ".join(f"c={c} {r:.2f}x" for c, r in res["k0_over_plain"].items()) + f" ({a.profile_out})")
     print(f"vLLM labelling ({res['engine']}, {res['device']}, {name}): {a.prompts} prompts x {len(cands)} candidates x "
           f"{a.max_new_tokens} tokens in {seconds:.1f} s (start-up {engine.start_seconds:.1f} s apart): "
           f"{res['prompts_per_hour']:.0f} prompts/hour; weights read {steps} times: {res['achieved_gbs']:.1f} GB/s"

@@ -37,11 +37,12 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 # about a module of each other). xdist's default order (--loadscope-reorder, on unless turned off in pyproject.toml's
 # addopts) sorts modules by their number of tests instead: it started test_real_shapes (one test, 182 s) last, and
 # one worker then ran alone for its last three minutes.
-SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "test_cluster_growth",
+SLOWEST_FIRST = ["test_cluster", "test_faults", "test_vllm", "test_stages", "test_cli_run", "test_cluster_growth",
                  "test_object_storage", "test_store_faults", "test_real_shapes", "test_model_refusals",
                  "test_sampled_run", "test_gpu_check_cpu", "test_compiled", "test_broken_device",
                  "test_distribution_check", "test_simulate", "test_replay", "test_pool_failures",
-                 "test_step_rule_sampling", "test_batched", "test_pool_timeouts", "test_device_task", "test_install",
+                 "test_step_rule_sampling", "test_batched", "test_pool_timeouts", "test_pool_faults", "test_device_task",
+                 "test_install",
                  "test_shared_profile", "test_validate", "test_rayjob", "test_expected_acceptance"]
 
 

@@ -100,6 +100,8 @@ class Faulty(ShardStage):
             time.sleep(3600)
         if self.fault == "write" and self.bad:
             raise OSError(f"[Errno 5] Input/output error: writing {name}")
+        if not self.bad:  # a healthy worker takes a moment a shard, so that the bad one surely gets a second one
+            time.sleep(0.3)
         rows = read_table(input).to_pylist()
         return pa.table({"prompt_id": [r["prompt_id"] for r in rows], "x": [2 * r["x"] for r in rows]},
                         schema=SCHEMA)

@@ -147,8 +147,9 @@ class PoolRun(WorkerStarts):
     def past_deadlines(self, now: float) -> None:
         """A shard in flight past its deadline is taken back and its worker restarted; a setup past
         workers.setup_timeout_s is given up on."""
+        least = min(self.pool.shard_floor_s, self.task_timeout_s)  # no deadline is shorter: most need no median
         for a in list(self.actors):
-            if a.state is ActorState.BUSY and now - a.since > self.deadline_s(a.shard):
+            if a.state is ActorState.BUSY and now - a.since > least and now - a.since > self.deadline_s(a.shard):
                 self.take_back(a, now)
             elif a.state in (ActorState.STARTING, ActorState.PINGED) and now - a.since > self.setup_timeout_s:
                 self.waiting.pop(a.ref, None)

@@ -31,7 +31,9 @@ def run(cfg: PipelineConfig) -> Dict[str, Any]:
         report = preflight(pr, actors, full_table=True)
     finally:
         pr.kill_all()
-    log("preflight").info(f"done: {len(report.rows)} worker(s) checked, no problem; "
-                          f"{time.monotonic() - t0:.1f} s")
+    left_out = f", {len(report.excluded)} left out (above; workers.min_fraction={cfg.workers.min_fraction:g})" \
+        if report.excluded else ", no problem"
+    log("preflight").info(f"done: {len(report.rows)} worker(s) checked{left_out}; {time.monotonic() - t0:.1f} s")
     return {"stage": "preflight", "status": "done", "workers": [where(r) for r in report.rows],
+            "left_out": [where(report.rows[i]) for i in report.excluded],
             "rows": report.rows, "placement": pr.place.describe(), "wall_seconds": round(time.monotonic() - t0, 1)}

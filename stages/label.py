@@ -471,7 +471,8 @@ class LabelStage(DecodingStage):
 
             self._prompt_ids = table.column("prompt_id").to_pylist()
             batches = ShardBatches(self._prompt_ids, table.column("input_ids").to_pylist(), self.label_batch_size,
-                                   self.vllm_continuation_batch, with_rows=True)
+                                   self.vllm_continuation_batch, with_rows=True, alone=rejects.alone,
+                                   skip=rejects.refused)
         elif self.label_batch_size > 1:
             from pipeline.labelling.batched import ShardBatches
 

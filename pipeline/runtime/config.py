@@ -376,7 +376,6 @@ class WorkerConfig:
     # Seconds a stage's one-off task (evaluate's pass at load, tune's load check) may run once it has started; its
     # wait for resources before that is wait_s's.
     task_timeout_s: float = 7200.0
-
     # A shard in flight longer than this many times its expected time (the median seconds a prompt of the shards
     # done so far, times its prompts; at least 300 s) is taken back, given to another worker, and its worker
     # restarted: a hung GPU or collective costs one shard's deadline, not the run.
@@ -388,6 +387,7 @@ class WorkerConfig:
     # (named, with why, in the table and summary.json); below it the preflight refuses. 0.9: all of up to 9
     # workers, 58 of 64.
     min_fraction: float = 0.9
+
 
 @dataclass
 class RayConfig:

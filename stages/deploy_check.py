@@ -266,6 +266,14 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
             pool.close()
     model = _cost_model(run)
     failures: List[str] = []
+    verdicts: Dict[str, Dict[str, Any]] = {}
+
+    def verdict(c: int, config: str, tps: List[float], plain: List[float]) -> None:
+        r = _interval(tps, plain)
+        verdicts[f"{c}|{config}"] = {"c": c, "config": config, "gain": r["gain"], "ci95": r["ci95"],
+                                     "repeats": r["repeats"], "slower": bool(r["ci95"] and r["ci95"][1] < 0),
+                                     "why": f"the speculative server measured {_pct(r)} against plain vLLM"}
+
     say("  c    serves          K set  K drafted  acceptance ours / vLLM's  labels' tau   tok/s served  tok/s plain  "
         "x plain, 95 % paired                       modelled  tokens = plain")
     notes = []
@@ -289,6 +297,8 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
              "total": n, "drafted": last.drafted if spec is not None else [],
              "allowed": ({_configured_k(spec, x) for x in range(1, running + 1)} if spec else set())}
         failures += judge(m)
+        if m["served"] is not None:
+            verdict(c, mine, m["served"], plain)
         acc = "-" if last.tau is None else f"{last.tau:.2f} / {last.vllm_tau:.2f}"
         tau = tau_b.get(k + 1, float("nan")) if k else 1.0
         lab = f"{tau:.2f} (b={k + 1})" if k else "1 (b=1)"
@@ -304,6 +314,7 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
                          f"{_pct(vf)}")
         if spec is None and spec_of_choice is not None and json.dumps(spec_of_choice) in runs:
             alt = [r.throughput for r in runs[json.dumps(spec_of_choice)]]
+            verdict(c, json.dumps(spec_of_choice), alt, plain)
             mod = opt.ratio(point, opt.speculative) if opt else None
             notes.append(f"c={c}: deploy serves plain vLLM here; the speculative server ({opt.speculative}) measured "
                          f"{_pct(_interval(alt, plain))} against it" + (f" (modelled {mod:.3f}x)" if mod else ""))
@@ -314,6 +325,15 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
                              f"{1 + vs['gain']:.3f}x")
     for x in notes:
         say(f"  {x}")
+    if deploy is None:  # the run's own claim: deploy takes these verdicts back (vllm_options.apply_verdicts)
+        from pipeline.evaluation.deploy import VERDICTS
+
+        path = logs / VERDICTS
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**old, **verdicts}, indent=1) + "\n")
+        if any(v["slower"] for v in verdicts.values()):
+            say(f"  verdicts: {path} (deploy now serves plain vLLM where the speculative server was measured "
+                "slower beyond noise; run deploy again)")
     if len(ids) < max(max(MIN_PROMPTS, PER_SLOT * c) for c in loads):
         say(f"  note: {len(ids)} val prompts, sent again in turn to make up each load's requests")
     for f in failures:

@@ -19,6 +19,7 @@ from pipeline.io.storage import location
 from pipeline.policy.blocksize import SPEED_SCORE, policy_actions, train_chosen_block_size
 
 BUNDLED = "bundled:"
+VERDICTS = "verdicts.json"  # RUN/deploy-check/: what deploy --check-vllm measured (stages.deploy_check)
 
 # vLLM: `vllm serve TARGET --speculative-config JSON`.
 #   method "dflash", model, num_speculative_tokens: docs/features/speculative_decoding/dflash.md and
@@ -251,7 +252,7 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
                                          serving if cost_profile is not None else
                                          (_load_profile(profile_path) if profile_path.is_file() else None),
                                          str(cost_profile) if cost_profile is not None else str(profile_path))
-    return Deploy(
+    d = Deploy(
         run_dir=str(run.root), block_size=b, chosen_on=chosen_on, train_b=train_b, target=target, draft=draft,
         draft_note=note, draft_revision=pinned_draft_revision(cfg, run.labels),
         trust_remote_code=bool(cfg.model.trust_remote_code),
@@ -264,6 +265,12 @@ def load_deploy(output_dir, cost_profile=None) -> Deploy:
         # check, is over the same grid; without one, the fixed b): where length does not matter, both forms agree
         context=context_tables(run, cfg.train, info, None if cost_profile is None else serving,
                                base=lambda c: (sched or {}).get(c, b)))
+    verdicts = run.root / "deploy-check" / VERDICTS
+    if d.options is not None and verdicts.is_file():  # the vLLM check's measured verdicts, as tune's load check
+        from pipeline.evaluation.vllm_options import apply_verdicts
+
+        apply_verdicts(d.options, lambda o: json.dumps(option_config(d, o)), json.loads(verdicts.read_text()))
+    return d
 
 
 def _load_profile(path):
@@ -415,9 +422,11 @@ def options_lines(d: Deploy) -> List[str]:
     if o.chosen == SPLIT:
         spec = option_config(d, o.speculative)
         at = [c for c, x in o.serve.items() if x == PLAIN]
+        spans = [(c, next((x for x in o.loads if x > c), None)) for c in at]
+        where = ", ".join(f"{c} or more" if hi is None else f"{c} to {hi - 1}" for c, hi in spans)
         out += [f"Deploys: plain vLLM and a speculative server ({o.speculative}), the load routed between them: "
-                f"{o.why}. Send a request to the plain server while the speculative one has {min(at)} or more "
-                "running, to the speculative one otherwise:", "", "```bash", plain_cmd,
+                f"{o.why}. Send a request to the plain server while the speculative one has {where} running, to the "
+                "speculative one otherwise:", "", "```bash", plain_cmd,
                 _shell(["vllm", "serve", d.target, *remote, "--speculative-config", json.dumps(spec)]), "```"]
     else:
         spec = option_config(d, o.chosen)

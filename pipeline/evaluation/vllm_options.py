@@ -28,7 +28,7 @@ faster wherever speculation wins) elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +54,7 @@ class Options:
     serve: Dict[int, str] = field(default_factory=dict)  # c -> the option deploy serves at c
     regret: Dict[str, float] = field(default_factory=dict)
     why: str = ""
+    measured: Dict[int, str] = field(default_factory=dict)  # grid c -> why plain there: the vLLM check's verdict
 
     def pays(self, c: int) -> bool:
         """Deploy said speculation pays at c: it serves a speculative option there, modelled faster than plain."""
@@ -137,6 +138,34 @@ def choose(o: Options, split_min_gain: float = SPLIT_MIN_GAIN) -> Options:
              f"shortfall: {single}, {o.regret[single]:.1%}): plain vLLM is fastest at c in {plain_at} ("
              + ", ".join(f"c={c}: plain {fmt(c, PLAIN)} against {pick} {fmt(c, pick)}" for c in plain_at)
              + f"), {pick} at c in {rest}")
+    return o
+
+
+def apply_verdicts(o: Options, config_of: Callable[[str], Optional[str]],
+                   verdicts: Dict[str, Dict[str, Any]]) -> Options:
+    """Plain vLLM at the grid points where ``deploy --check-vllm`` measured the speculative configuration deploy
+    serves there slower than plain beyond noise (stages.deploy_check writes ``verdicts``: {"c|config json": {"c",
+    "config", "slower", "why"}}), as deploy takes tune's load check: measured, not modelled. ``config_of(option)``:
+    the option's --speculative-config as JSON (None: plain). A verdict on another configuration is ignored. A load c
+    covers the grid point at or below it (the range vLLM's schedule and the routing hold from there)."""
+    for v in verdicts.values():
+        if not v.get("slower"):
+            continue
+        c = int(v["c"])
+        point = max((x for x in o.loads if x <= c), default=None)
+        if point is None or o.serve.get(point) == PLAIN:
+            continue
+        if config_of(o.serve[point]) != v["config"]:
+            continue
+        o.serve[point] = PLAIN
+        o.measured[point] = v["why"]
+    if o.measured:
+        spec = [c for c, n in o.serve.items() if n != PLAIN]
+        o.chosen = SPLIT if spec else PLAIN
+        o.speculative = o.speculative if spec else None
+        o.why += ("; then measured by deploy --check-vllm: " + "; ".join(f"c={c}: {w}" for c, w in
+                                                                         sorted(o.measured.items()))
+                  + f", so plain vLLM serves c in {sorted(o.measured)}")
     return o
 
 

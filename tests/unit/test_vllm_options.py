@@ -106,3 +106,21 @@ def test_a_bad_check_setting_fails_fast_naming_the_key(key, value):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config([f"{key}={value}"])
+
+
+def test_the_checks_measured_verdict_makes_deploy_serve_plain_there():
+    from pipeline.evaluation.vllm_options import apply_verdicts
+
+    o = choose(price(TAU, CANDS, cost, [1, 4, 16], 8, {1: 8, 4: 4, 16: 1},
+                     k0_seconds={16: 1.8 * cost(1, 16)}))
+    assert o.serve == {1: SCHEDULE, 4: SCHEDULE, 16: PLAIN}
+    config = {PLAIN: "null", SCHEDULE: '{"k": "schedule"}', FIXED: '{"k": 7}'}.get
+    other = {"4|x": {"c": 4, "config": '{"k": 7}', "slower": True, "why": "another configuration"}}
+    assert apply_verdicts(o, config, other).serve[4] == SCHEDULE and not o.measured  # not what deploy serves
+    within = {"4|s": {"c": 4, "config": '{"k": "schedule"}', "slower": False, "why": "within noise"}}
+    assert apply_verdicts(o, config, within).serve[4] == SCHEDULE
+    lost = {"4|s": {"c": 4, "config": '{"k": "schedule"}', "slower": True,
+                    "why": "the speculative server measured -31.8% [-48.9%, -9.9%] over 10 repeats against plain"}}
+    apply_verdicts(o, config, lost)
+    assert o.serve == {1: SCHEDULE, 4: PLAIN, 16: PLAIN} and o.chosen == SPLIT
+    assert "c=4: the speculative server measured -31.8%" in o.why and o.measured == {4: lost["4|s"]["why"]}

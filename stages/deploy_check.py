@@ -134,6 +134,22 @@ def judge(m: Dict[str, Any]) -> List[str]:
     return out
 
 
+def merge_verdicts(old: Dict[str, Dict[str, Any]], new: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """verdicts.json after a check: a new measurement of a (load, configuration) replaces the kept one unless the
+    kept one was beyond noise (its interval off 0) and the new one is not: a check within noise does not erase a
+    measured loss (else deploy would serve plain there, the next check see the speculative server within noise, and
+    the one after serve it again)."""
+    def decided(v: Dict[str, Any]) -> bool:
+        ci = v.get("ci95")
+        return bool(ci) and (ci[1] < 0 or ci[0] > 0)
+
+    out = dict(old)
+    for k, v in new.items():
+        if k not in out or decided(v) or not decided(out[k]):
+            out[k] = v
+    return out
+
+
 def _cost_model(run):
     """The run's LoadCost (the policy's cost profile), or None without one."""
     from pipeline.io.layout import COST_PROFILE
@@ -330,7 +346,7 @@ def check_vllm(output_dir: str, say=print, cost_profile: Optional[str] = None, d
 
         path = logs / VERDICTS
         old = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**old, **verdicts}, indent=1) + "\n")
+        path.write_text(json.dumps(merge_verdicts(old, verdicts), indent=1) + "\n")
         if any(v["slower"] for v in verdicts.values()):
             say(f"  verdicts: {path} (deploy now serves plain vLLM where the speculative server was measured "
                 "slower beyond noise; run deploy again)")

@@ -124,3 +124,14 @@ def test_the_checks_measured_verdict_makes_deploy_serve_plain_there():
     apply_verdicts(o, config, lost)
     assert o.serve == {1: SCHEDULE, 4: PLAIN, 16: PLAIN} and o.chosen == SPLIT
     assert "c=4: the speculative server measured -31.8%" in o.why and o.measured == {4: lost["4|s"]["why"]}
+
+
+def test_a_check_within_noise_does_not_erase_a_measured_loss():
+    from stages.deploy_check import merge_verdicts
+
+    lost = {"4|s": {"c": 4, "ci95": [-0.405, -0.029], "slower": True}}
+    noise = {"4|s": {"c": 4, "ci95": [-0.542, 0.749], "slower": False}}
+    won = {"4|s": {"c": 4, "ci95": [0.05, 0.30], "slower": False}}
+    assert merge_verdicts(lost, noise) == lost
+    assert merge_verdicts(lost, won) == won and merge_verdicts(noise, lost) == lost
+    assert merge_verdicts({}, noise) == noise

@@ -433,6 +433,8 @@ def options_lines(d: Deploy) -> List[str]:
         out += [f"Deploys: {o.chosen}: {o.why}.", "", "```bash",
                 plain_cmd if spec is None else _shell(["vllm", "serve", d.target, *remote, "--speculative-config",
                                                        json.dumps(spec)]), "```"]
+    if o.notes:
+        out += ["", "Priced without labels: " + "; ".join(o.notes) + "."]
     zero = [c for c in o.loads if any(o.k[n][c] == 0 for n in o.k if n != PLAIN)]
     if any(o.k0[c] != "measured" for c in zero):
         out += ["", "A speculative server's K = 0 was not timed at c in "

@@ -55,6 +55,7 @@ class Options:
     regret: Dict[str, float] = field(default_factory=dict)
     why: str = ""
     measured: Dict[int, str] = field(default_factory=dict)  # grid c -> why plain there: the vLLM check's verdict
+    notes: List[str] = field(default_factory=list)  # how a b the labels never measured was priced
 
     def pays(self, c: int) -> bool:
         """Deploy said speculation pays at c: it serves a speculative option there, modelled faster than plain."""
@@ -74,10 +75,25 @@ def price(tau_train: np.ndarray, candidates: Sequence[int], cost: Callable[[int,
     tau = np.asarray(tau_train, dtype=np.float64)
     cands = [int(b) for b in candidates]
 
+    notes: List[str] = []
+
+    def tau_at(b: int) -> np.ndarray:
+        if b in cands:
+            return tau[:, cands.index(b)]
+        # a b the labels never measured (a small b tune's load check kept): tau is at most b and at most the tau of
+        # the next labelled b above it (tau grows with b): that bound, said so (optimistic for speculation)
+        above = [x for x in sorted(cands) if x > b]
+        bound = np.minimum(tau[:, cands.index(above[0])], b) if above else tau[:, cands.index(max(cands))]
+        note = (f"b={b} was never labelled: its tau bounded by min(b, tau at b={above[0]})" if above else
+                f"b={b} was never labelled: its tau taken as at b={max(cands)}")
+        if note not in notes:
+            notes.append(note)
+        return bound
+
     def per_token(b: int, c: int) -> float:  # seconds per committed token per stream, mean over the train rows
         if b == 1:
             return cost(1, c)
-        return float(np.mean(cost(b, c) / tau[:, cands.index(b)]))
+        return float(np.mean(cost(b, c) / tau_at(b)))
 
     measured = {int(c): float(s) for c, s in (k0_seconds or {}).items()}
     k0 = {int(c): "measured" if int(c) in measured else K0_ESTIMATE for c in loads}
@@ -95,11 +111,9 @@ def price(tau_train: np.ndarray, candidates: Sequence[int], cost: Callable[[int,
             if name != PLAIN and b == 1:  # K = 0 inside a speculative server: the drafter still runs
                 s = k0_step(c)
             else:
-                if b != 1 and b not in cands:
-                    raise ValueError(f"{name}: b={b} at c={c} was never labelled (candidates {cands}): no tau to "
-                                     "price it with")
                 s = per_token(b, c)
             out.tokens_per_s[name][c] = c / s
+    out.notes = notes
     if int(fixed_b) == 1:  # a fixed b = 1 is plain vLLM, not a speculative server
         out.k.pop(FIXED), out.tokens_per_s.pop(FIXED)
     return out

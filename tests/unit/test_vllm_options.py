@@ -135,3 +135,10 @@ def test_a_check_within_noise_does_not_erase_a_measured_loss():
     assert merge_verdicts(lost, noise) == lost
     assert merge_verdicts(lost, won) == won and merge_verdicts(noise, lost) == lost
     assert merge_verdicts({}, noise) == noise
+
+
+def test_a_small_b_the_load_check_kept_is_priced_by_a_bound_and_said_so():
+    o = price(TAU[:, 1:], [4, 8], cost, [1, 16], 8, {1: 8, 16: 3}, k0_seconds={})  # b = 3 never labelled
+    bound = np.mean(cost(3, 16) / np.minimum(TAU[:, 1], 3))  # tau at b = 4, at most 3
+    assert o.tokens_per_s[SCHEDULE][16] == pytest.approx(16 / bound)
+    assert o.notes == ["b=3 was never labelled: its tau bounded by min(b, tau at b=4)"]

@@ -34,7 +34,6 @@ from conftest import FAST
 from .conftest import HOLD_FIRST_PROMPT, hook_pids, inject_hook, validate
 from .ray_cluster import Cluster, job_ok as _ok
 
-pytestmark = pytest.mark.faults
 
 # 16 prompts in 8 shards of 2: shards enough to go round three workers.
 SMALL = [*FAST, "train.epochs=2", "prepare.shard_size=2", "label.num_workers=null", "evaluate.per_step=false",
@@ -55,6 +54,7 @@ def cluster():
             c.shutdown()
 
 
+@pytest.mark.faults  # (the other test here injects no fault: not a row of the fault matrix)
 def test_label_grows_onto_joining_nodes_and_moves_off_a_node_that_cannot_load(cluster, tmp_path, fault_row):
     out = tmp_path / "run"
     _ok(cluster.submit("jobs/prepare.py", f"output_dir={out}", *SMALL), "prepare job")

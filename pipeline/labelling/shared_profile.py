@@ -59,6 +59,7 @@ def shared_profile(output_dir: str, kind: Dict[str, Any], measure: Callable[[], 
     "generation": the claim it measured under (0 the first, more after takeovers), and for a reuse the check's
     ratios}``)."""
     from pipeline.io.exclusive import exclusive_file
+    from pipeline.io.shards import write_text_atomic
     from pipeline.io.storage import location
 
     key = kind_key(kind)
@@ -73,8 +74,6 @@ def shared_profile(output_dir: str, kind: Dict[str, Any], measure: Callable[[], 
             beat = folder / f"{key}.beat.{generation}"
             with _beating(beat, beat_s):
                 profile = measure()
-            from pipeline.io.shards import write_text_atomic
-
             write_text_atomic(json.dumps(profile.to_dict()) + "\n", done)
             beat.unlink(missing_ok=True)  # the profile is there: nobody reads the beat again
             return profile, {"shared": "measured", "key": key, "generation": generation}

@@ -91,17 +91,30 @@ class Faulty(ShardStage):
         if self.bad:
             (self.work / "bad-worker").write_text(worker.identity)
 
+    def wait_for_the_bad_workers_second_shard(self) -> None:
+        """A healthy worker holds its shard until the bad one has taken two (a condition, not a pause): else it
+        could do every shard while the bad one sets up, and the fault would never be met. Bounded: a minute, then
+        the test fails on its own assertions instead of hanging."""
+        tries = self.work / "bad-tries"
+        for _ in range(1200):
+            if tries.exists() and len(tries.read_text().splitlines()) >= 2:
+                return
+            time.sleep(0.05)
+
     def process_shard(self, input, rejects):
         name = Path(input).name
         with open(self.work / "tries", "a") as f:
             f.write(f"{name} {self.identity} {os.getpid()}\n")
         self.done += 1
+        if self.bad:
+            with open(self.work / "bad-tries", "a") as f:
+                f.write(f"{name}\n")
+        elif self.fault in ("hang", "write"):
+            self.wait_for_the_bad_workers_second_shard()
         if self.fault == "hang" and self.bad and self.done == 2 and claim(str(self.work / "hung")):
             time.sleep(3600)
         if self.fault == "write" and self.bad:
             raise OSError(f"[Errno 5] Input/output error: writing {name}")
-        if not self.bad:  # a healthy worker takes a moment a shard, so that the bad one surely gets a second one
-            time.sleep(0.3)
         rows = read_table(input).to_pylist()
         return pa.table({"prompt_id": [r["prompt_id"] for r in rows], "x": [2 * r["x"] for r in rows]},
                         schema=SCHEMA)
